@@ -1,0 +1,23 @@
+# Two commands for a newcomer: `make demo` (the main job) and `make test`.
+# Both create .venv and install everything first (.ci/install.sh, idempotent).
+VENV   ?= .venv
+export OMP_NUM_THREADS ?= 1
+NPROC  ?= 2
+TRAIN  := $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m commhooks.train
+DEMO   := results/demo
+
+.PHONY: install demo test clean
+
+install:
+	@bash .ci/install.sh
+
+demo: install
+	$(TRAIN) --hook none --label ddp-allreduce --json-out $(DEMO)/ddp.json
+	$(TRAIN) --hook qsr --config configs/qsr_mnist1d.json --label qsr --json-out $(DEMO)/qsr.json
+	@$(VENV)/bin/commhooks table $(DEMO)/ddp.json $(DEMO)/qsr.json
+
+test: install
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf results .pytest_cache

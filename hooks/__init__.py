@@ -1,0 +1,20 @@
+"""commhooks: communication-efficient training hooks for PyTorch DDP, Horovod and DeepSpeed.
+
+Public names only; see the README for usage.
+"""
+
+from .config import ConfigError, QSRConfig, load_config
+from .ddp import allreduce_hook, qsr_hook
+from .qsr import QSRState, qsr_period
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "QSRConfig",
+    "QSRState",
+    "load_config",
+    "qsr_hook",
+    "qsr_period",
+    "allreduce_hook",
+]

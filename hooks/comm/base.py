@@ -1,0 +1,249 @@
+"""The collective interface every algorithm talks to, and its byte meter.
+
+Algorithms in commhooks never call ``torch.distributed`` or Horovod directly:
+they call a :class:`Comm`.  That keeps them backend-agnostic (the same code
+runs under DDP, Horovod and DeepSpeed) and lets one place count the traffic.
+
+A backend implements three primitives on a single contiguous tensor
+(``_allreduce_flat``, ``_broadcast_flat``, ``_make_group``); this base class
+coalesces lists of tensors into one flat buffer (one call on the wire, as
+DDP's buckets do), applies the mean, and records every call in the
+:class:`Meter`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+REDUCE_OPS = ("mean", "sum", "max")
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """A set of ranks that communicate together.
+
+    ``name`` keys the meter (``"world"``, ``"g0-1"``...); ``handle`` is the
+    backend's own object (a ``ProcessGroup``, a Horovod ``ProcessSet``).
+    ``member`` says whether the calling rank belongs to it.
+    """
+
+    name: str
+    ranks: Tuple[int, ...]
+    handle: Any = dataclasses.field(default=None, compare=False, repr=False)
+    member: bool = True
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+class Meter:
+    """Payload bytes and call counts sent by this rank, per (group, kind, tag).
+
+    ``kind`` is the collective (``"allreduce"``, ``"broadcast"``); ``tag`` is
+    what the caller says the traffic is for (``"grad"``, ``"sync"``,
+    ``"ab-grad"`` ...), so traffic per phase can be read back.  Bytes are the
+    payload handed to the backend (numel x element size), the same on every
+    member of the group; what the wire carries on top (ring factors,
+    headers) is measured by the benchmark.
+    """
+
+    def __init__(self):
+        self._bytes: Dict[Tuple[str, str, str], int] = defaultdict(int)
+        self._calls: Dict[Tuple[str, str, str], int] = defaultdict(int)
+
+    def record(self, group: str, kind: str, nbytes: int, tag: str = "") -> None:
+        key = (group, kind, tag)
+        self._bytes[key] += int(nbytes)
+        self._calls[key] += 1
+
+    def _total(self, table, group, kind, tag) -> int:
+        return sum(
+            v
+            for (g, k, t), v in table.items()
+            if (group is None or g == group) and (kind is None or k == kind) and (tag is None or t == tag)
+        )
+
+    def bytes(self, group: Optional[str] = None, kind: Optional[str] = None, tag: Optional[str] = None) -> int:
+        """Total payload bytes, optionally filtered by group name, kind and tag."""
+        return self._total(self._bytes, group, kind, tag)
+
+    def calls(self, group: Optional[str] = None, kind: Optional[str] = None, tag: Optional[str] = None) -> int:
+        """Number of collective calls, with the same filters as :meth:`bytes`."""
+        return self._total(self._calls, group, kind, tag)
+
+    def by_tag(self) -> Dict[str, int]:
+        """Bytes per tag, e.g. ``{"sync": ..., "ab-grad": ...}``."""
+        out: Dict[str, int] = defaultdict(int)
+        for (_, _, t), v in self._bytes.items():
+            out[t] += v
+        return dict(out)
+
+    def snapshot(self) -> Dict[str, Dict[str, int]]:
+        """A JSON-friendly copy: ``{"group/kind/tag": {"bytes": .., "calls": ..}}``."""
+        return {
+            f"{g}/{k}/{t}": {"bytes": self._bytes[(g, k, t)], "calls": self._calls[(g, k, t)]}
+            for (g, k, t) in sorted(self._bytes)
+        }
+
+    def reset(self) -> None:
+        self._bytes.clear()
+        self._calls.clear()
+
+    def __repr__(self) -> str:
+        return f"Meter(bytes={self.bytes()}, calls={self.calls()})"
+
+
+class Work:
+    """An in-flight collective.
+
+    ``wait()`` blocks and returns the reduced tensors (already copied back
+    into the caller's tensors).  ``future()`` gives a ``torch.futures.Future``
+    of the same list, for DDP comm hooks; backends without native futures
+    complete it at ``wait()``.
+    """
+
+    def __init__(self, wait: Callable[[], List[torch.Tensor]], future: Optional[torch.futures.Future] = None):
+        self._wait = wait
+        self._future = future
+        self._result: Optional[List[torch.Tensor]] = None
+
+    def wait(self) -> List[torch.Tensor]:
+        if self._result is None:
+            self._result = self._wait()
+        return self._result
+
+    def future(self) -> torch.futures.Future:
+        if self._future is None:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(self.wait())
+            self._future = fut
+        return self._future
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous buffer holding ``tensors`` (no copy for a single contiguous tensor)."""
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        return tensors[0].view(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat`` back into ``tensors`` (skipped when ``flat`` is their own storage)."""
+    if len(tensors) == 1 and tensors[0].is_contiguous() and flat.data_ptr() == tensors[0].data_ptr():
+        return
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+
+
+class Comm:
+    """Collectives over groups of ranks, with a byte meter.
+
+    All calls reduce *in place* into the given tensors, like
+    ``torch.distributed``.  ``group=None`` means the world.
+    """
+
+    def __init__(self, rank: int, size: int):
+        self.rank = rank
+        self.size = size
+        self.meter = Meter()
+        self.world = Group("world", tuple(range(size)), handle=self._world_handle())
+        self._groups: Dict[Tuple[int, ...], Group] = {self.world.ranks: self.world}
+
+    # ---- backend primitives -------------------------------------------------
+    def _world_handle(self) -> Any:
+        return None
+
+    def _allreduce_flat(self, flat: torch.Tensor, op: str, group: Group, async_op: bool):
+        """Reduce ``flat`` in place; return ``(wait_fn, future_or_None)``."""
+        raise NotImplementedError
+
+    def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
+        raise NotImplementedError
+
+    def _make_group(self, ranks: Tuple[int, ...]) -> Any:
+        raise NotImplementedError
+
+    # ---- public API -----------------------------------------------------------
+    def new_group(self, ranks: Iterable[int], name: Optional[str] = None) -> Group:
+        """Create (or return the cached) group of ``ranks``.
+
+        Collective: every rank of the world must call it, in the same order,
+        even ranks outside the group (as ``torch.distributed.new_group``).
+        """
+        ranks = tuple(sorted(int(r) for r in ranks))
+        if not ranks or ranks[0] < 0 or ranks[-1] >= self.size or len(set(ranks)) != len(ranks):
+            raise ValueError(f"group ranks must be distinct ranks in [0, {self.size}), got {ranks}")
+        if ranks in self._groups:
+            return self._groups[ranks]
+        handle = self._make_group(ranks)
+        group = Group(name or f"g{ranks[0]}-{ranks[-1]}", ranks, handle, member=self.rank in ranks)
+        self._groups[ranks] = group
+        return group
+
+    def allreduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: str = "mean",
+        group: Optional[Group] = None,
+        async_op: bool = False,
+        tag: str = "",
+    ):
+        """Reduce a list of tensors in one flat call over ``group``.
+
+        Returns the list (reduced in place), or a :class:`Work` if
+        ``async_op``.  ``op`` is ``"mean"``, ``"sum"`` or ``"max"``; all
+        tensors must share dtype and device.
+        """
+        if op not in REDUCE_OPS:
+            raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+        group = group or self.world
+        tensors = list(tensors)
+        if not tensors:
+            work = Work(lambda: [])
+            return work if async_op else []
+        flat = flatten(tensors)
+        self.meter.record(group.name, "allreduce", flat.numel() * flat.element_size(), tag)
+        if group.size == 1:
+            wait, fut = (lambda: None), None
+        else:
+            wait, fut = self._allreduce_flat(flat, "sum" if op == "mean" else op, group, async_op)
+
+        def finish(_=None):
+            if op == "mean" and group.size > 1:
+                flat.div_(group.size)
+            unflatten_into(flat, tensors)
+            return tensors
+
+        if not async_op:
+            wait()
+            return finish()
+        if fut is not None:
+            chained = fut.then(finish)
+            return Work(lambda: chained.wait(), chained)
+
+        def wait_and_finish():
+            wait()
+            return finish()
+
+        return Work(wait_and_finish)
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0, group: Optional[Group] = None, tag: str = ""):
+        """Broadcast ``tensors`` from global rank ``src`` to ``group``, in place."""
+        group = group or self.world
+        tensors = list(tensors)
+        if not tensors or group.size == 1:
+            return tensors
+        flat = flatten(tensors)
+        if self.rank == src:
+            self.meter.record(group.name, "broadcast", flat.numel() * flat.element_size(), tag)
+        self._broadcast_flat(flat, src, group)
+        unflatten_into(flat, tensors)
+        return tensors

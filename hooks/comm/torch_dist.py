@@ -1,0 +1,46 @@
+"""``Comm`` over ``torch.distributed`` (gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .base import Comm, Group
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class TorchComm(Comm):
+    """Collectives on an initialised ``torch.distributed`` process group.
+
+    ``process_group`` (default: the world) is the set of ranks this Comm
+    spans; ranks given to :meth:`new_group` are indices *within* it, mapped
+    to global ranks for ``dist.new_group``.
+    """
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: call torch.distributed.init_process_group "
+                "(or commhooks.launch.init_distributed) before building a commhooks state"
+            )
+        self.process_group = process_group or dist.group.WORLD
+        self._global_ranks = dist.get_process_group_ranks(self.process_group)
+        super().__init__(dist.get_rank(self.process_group), dist.get_world_size(self.process_group))
+
+    def _world_handle(self) -> Any:
+        return self.process_group
+
+    def _allreduce_flat(self, flat: torch.Tensor, op: str, group: Group, async_op: bool):
+        work = dist.all_reduce(flat, op=_OPS[op], group=group.handle, async_op=async_op)
+        if not async_op:
+            return (lambda: None), None
+        return work.wait, work.get_future()
+
+    def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
+        dist.broadcast(flat, src=self._global_ranks[src], group=group.handle)
+
+    def _make_group(self, ranks: Tuple[int, ...]) -> Any:
+        return dist.new_group([self._global_ranks[r] for r in ranks])

@@ -1,0 +1,210 @@
+"""One validated config schema for every entry point.
+
+Python users pass keyword arguments or a config object; JSON files in
+``configs/`` and the ``"comm_hook"`` section of a DeepSpeed config are plain
+dicts with a ``"type"`` key (``"qsr"``, ``"ab"`` or ``"none"``) and the fields
+of the matching dataclass.  Every bad value raises :class:`ConfigError` naming
+the key and what is allowed; validation is local and deterministic, so every
+rank raises the same error before any collective is issued (no hang).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+
+class ConfigError(ValueError):
+    """A hook setting is missing, unknown or outside its allowed range."""
+
+
+# --------------------------------------------------------------------------
+# small checkers: each names the key and the allowed range in its message
+# --------------------------------------------------------------------------
+
+
+def check_int(key: str, value: Any, minimum: Optional[int] = None, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "an integer or null" if allow_none else "an integer"
+        raise ConfigError(f"{key} must be {kind}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {value!r}")
+    return value
+
+
+def check_number(
+    key: str,
+    value: Any,
+    minimum: Optional[float] = None,
+    maximum: Optional[float] = None,
+    min_inclusive: bool = True,
+    max_inclusive: bool = True,
+):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+    low_ok = minimum is None or (value >= minimum if min_inclusive else value > minimum)
+    high_ok = maximum is None or (value <= maximum if max_inclusive else value < maximum)
+    if not (low_ok and high_ok):
+        lo = "" if minimum is None else f"{'[' if min_inclusive else '('}{minimum}"
+        hi = "" if maximum is None else f"{maximum}{']' if max_inclusive else ')'}"
+        if minimum is not None and maximum is not None:
+            allowed = f"in {lo}, {hi}"
+        elif minimum is not None:
+            allowed = f"{'>=' if min_inclusive else '>'} {minimum}"
+        else:
+            allowed = f"{'<=' if max_inclusive else '<'} {maximum}"
+        raise ConfigError(f"{key} must be {allowed}, got {value!r}")
+    return float(value)
+
+
+def check_bool(key: str, value: Any):
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+def check_choice(key: str, value: Any, choices):
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------
+# schemas
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class QSRConfig:
+    """Local SGD / local AdamW synchronised by the Quadratic Synchronisation Rule.
+
+    After a sync, the next round lasts
+    ``H = max(h_base, floor((alpha / lr) ** power))`` optimizer steps
+    (``init_h`` while ``step < warmup_steps``; capped at the remaining steps when
+    ``total_steps`` is known; at least 1).
+
+    Tuning: ``h_base`` is the period at peak lr (the paper uses 4 for ViT-B
+    and 2 for ResNet).  The rule exceeds ``h_base`` once
+    ``lr < alpha / h_base ** (1 / power)``; the paper's ViT setting
+    (alpha 0.0175, peak lr 0.008, h_base 4) puts that point at the peak, so
+    the rule governs the whole decay: start from ``alpha ~ peak_lr *
+    sqrt(h_base)`` and raise it to thin communication further.
+    ``warmup_steps`` must cover the lr warm-up (a tiny warm-up lr would
+    otherwise give a huge H).  ``alpha = 0`` gives constant ``H = h_base``.
+    """
+
+    kind = "qsr"
+
+    alpha: float = 0.0
+    h_base: int = 4
+    init_h: Optional[int] = None
+    warmup_steps: int = 0
+    total_steps: Optional[int] = None
+    power: float = 2.0
+    average_optimizer_state: bool = False
+    average_buffers: bool = True
+
+    def __post_init__(self):
+        p = "qsr."
+        self.alpha = check_number(p + "alpha", self.alpha, minimum=0.0)
+        check_int(p + "h_base", self.h_base, minimum=1)
+        check_int(p + "init_h", self.init_h, minimum=1, allow_none=True)
+        check_int(p + "warmup_steps", self.warmup_steps, minimum=0)
+        check_int(p + "total_steps", self.total_steps, minimum=1, allow_none=True)
+        self.power = check_number(p + "power", self.power, minimum=0.0, min_inclusive=False)
+        check_bool(p + "average_optimizer_state", self.average_optimizer_state)
+        check_bool(p + "average_buffers", self.average_buffers)
+
+    @property
+    def warmup_h(self) -> int:
+        """Period used while ``step < warmup_steps`` (``init_h``, default ``h_base``)."""
+        return self.h_base if self.init_h is None else self.init_h
+
+
+SCHEMAS = {"qsr": QSRConfig}
+
+
+def register_schema(cls):
+    """Make a config dataclass loadable by its ``kind`` (used by the AB package)."""
+    SCHEMAS[cls.kind] = cls
+    return cls
+
+
+HookConfig = Any  # one of the dataclasses in SCHEMAS, or None for "no hook"
+
+
+def from_dict(data: Mapping[str, Any], kind: Optional[str] = None, where: str = "config"):
+    """Build a validated config from a dict.
+
+    ``kind`` selects the schema; otherwise ``data["type"]`` does.  Unknown keys
+    raise :class:`ConfigError` listing the allowed ones (a typo must not be
+    silently ignored on a 128-GPU job).
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a JSON object / dict, got {type(data).__name__}")
+    data = dict(data)
+    declared = data.pop("type", None)
+    if kind is None:
+        kind = declared
+    elif declared is not None and declared != kind:
+        raise ConfigError(f"{where}.type is {declared!r} but a {kind!r} config was expected")
+    if kind in (None, "none"):
+        if kind is None:
+            raise ConfigError(f"{where}.type is required: one of {', '.join(map(repr, ['none', *SCHEMAS]))}")
+        if data:
+            raise ConfigError(f"{where}: type 'none' takes no other keys, got {sorted(data)}")
+        return None
+    check_choice(f"{where}.type", kind, ["none", *SCHEMAS])
+    cls = SCHEMAS[kind]
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(map(repr, unknown))} for type {kind!r}; "
+            f"allowed: {', '.join(allowed)}"
+        )
+    try:
+        return cls(**data)
+    except TypeError as exc:  # pragma: no cover - dataclass signature mismatch
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any], Any], kind: Optional[str] = None):
+    """Turn any accepted form of hook settings into a validated config object.
+
+    Accepted: a config dataclass (returned as is), a dict, a path to a JSON
+    file, or a DeepSpeed config (dict or path) with a top-level ``"comm_hook"``
+    section.  Returns ``None`` for ``{"type": "none"}``.
+    """
+    if source is None:
+        return None
+    if isinstance(source, tuple(SCHEMAS.values())):
+        if kind is not None and source.kind != kind:
+            raise ConfigError(f"a {kind!r} config was expected, got a {source.kind!r} config")
+        return source
+    where = "config"
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            source = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from None
+        where = path.name
+    if isinstance(source, Mapping) and "comm_hook" in source:
+        return from_dict(source["comm_hook"], kind, where=f"{where}.comm_hook")
+    return from_dict(source, kind, where=where)
+
+
+def to_dict(config) -> dict:
+    """The JSON form of a config, ``type`` key first (round-trips through :func:`load_config`)."""
+    if config is None:
+        return {"type": "none"}
+    return {"type": config.kind, **dataclasses.asdict(config)}

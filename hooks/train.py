@@ -1,0 +1,183 @@
+"""Reference trainer: MNIST-1D across the ranks of whatever launcher started it.
+
+    torchrun --standalone --nproc_per_node 2 -m commhooks.train --hook qsr --config configs/qsr_mnist1d.json
+
+Prints one summary line per run (rank 0) and, with ``--json-out``, writes it
+as JSON for ``commhooks table``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import config as cfg
+from . import ddp as ddp_adapter
+from .data import load_mnist1d, rank_batches
+from .launch import init_distributed, shutdown
+from .models import build_model
+
+HOOKS = ("none", "qsr")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="commhooks train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hook", choices=HOOKS, default="none", help="communication method (none = DDP allreduce)")
+    p.add_argument("--config", help="hook settings: JSON file (configs/...) with the fields of the hook's config")
+    p.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
+    p.add_argument("--steps", type=int, default=1200, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    p.add_argument("--lr", type=float, default=0.05, help="peak learning rate")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--lr-warmup", type=int, default=50, help="linear lr warm-up steps before the cosine decay")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-seed", type=int, default=42, help="seed of mnist1d.make_dataset")
+    p.add_argument("--cache-dir", default=os.environ.get("COMMHOOKS_CACHE", ".cache"))
+    p.add_argument("--json-out", help="write the summary as JSON here (rank 0)")
+    p.add_argument("--label", help="name of the run in the summary (default: the hook)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.batch_size < 1:
+        p.error("--steps and --batch-size must be >= 1")
+    return args
+
+
+def cosine_with_warmup(optimizer, warmup: int, total: int):
+    """Linear warm-up to the peak lr, then cosine decay to zero at ``total``."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_optimizer(name: str, params, lr: float, momentum: float, weight_decay: float):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def wrap_ddp(model, local_buffers: bool) -> DDP:
+    """DDP that, for local methods, does not re-broadcast buffers on every forward."""
+    kwargs = {}
+    if local_buffers:
+        sig = inspect.signature(DDP.__init__).parameters
+        kwargs["forward_sync_buffers" if "forward_sync_buffers" in sig else "broadcast_buffers"] = False
+    return DDP(model, **kwargs)
+
+
+def hook_config(args):
+    """The hook's config: the JSON file if given, else defaults; total_steps filled from --steps."""
+    if args.hook == "none":
+        return None
+    conf = cfg.load_config(args.config, kind=args.hook) if args.config else cfg.from_dict({}, kind=args.hook)
+    if getattr(conf, "total_steps", "absent") is None:
+        conf.total_steps = args.steps
+    return conf
+
+
+@torch.no_grad()
+def accuracy(model, x, y) -> float:
+    model.eval()
+    acc = (model(x).argmax(1) == y).float().mean().item()
+    model.train()
+    return acc
+
+
+def run(args: argparse.Namespace) -> dict:
+    conf = hook_config(args)  # validate before any collective: every rank raises the same error
+    info = init_distributed()
+    rank, world = info["rank"], info["world_size"]
+    torch.manual_seed(args.seed)
+    data = load_mnist1d(Path(args.cache_dir), seed=args.data_seed)
+    model = build_model(args.model)
+    net = wrap_ddp(model, local_buffers=conf is not None)
+    optimizer = build_optimizer(args.optimizer, net.parameters(), args.lr, args.momentum, args.weight_decay)
+    scheduler = cosine_with_warmup(optimizer, args.lr_warmup, args.steps)
+    state = ddp_adapter.register(net, optimizer, conf)
+
+    progress = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=args.steps, desc=args.label or args.hook, leave=False, file=sys.stderr)
+    losses = []
+    start = time.perf_counter()
+    for step, idx in rank_batches(len(data["y"]), args.batch_size, rank, world, args.seed):
+        if step >= args.steps:
+            break
+        loss = F.cross_entropy(net(data["x"][idx]), data["y"][idx])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+        if progress is not None:
+            progress.update(1)
+            if step % 50 == 0:
+                progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{scheduler.get_last_lr()[0]:.4f}")
+    wall = time.perf_counter() - start
+    if progress is not None:
+        progress.close()
+
+    tail = torch.tensor([sum(losses[-50:]) / len(losses[-50:])])
+    dist.all_reduce(tail)  # metric only, not hook traffic
+    summary = {
+        "label": args.label or args.hook,
+        "hook": args.hook,
+        "model": args.model,
+        "ranks": world,
+        "steps": args.steps,
+        "test_acc": round(accuracy(model, data["x_test"], data["y_test"]), 4),
+        "train_loss": round(tail.item() / world, 4),
+        "bytes_per_rank": state.meter.bytes(),
+        "syncs": getattr(state, "syncs", args.steps),
+        "wall_s": round(wall, 2),
+        "config": cfg.to_dict(conf),
+    }
+    if rank == 0:
+        print(format_summary(summary), flush=True)
+        if args.json_out:
+            Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json_out).write_text(json.dumps(summary, indent=2) + "\n")
+    shutdown()
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    return (
+        f"[commhooks] {s['label']}: test_acc={s['test_acc']:.4f} train_loss={s['train_loss']:.4f} "
+        f"bytes/rank={s['bytes_per_rank'] / 1e6:.2f}MB syncs={s['syncs']} steps={s['steps']} "
+        f"ranks={s['ranks']} wall={s['wall_s']:.1f}s"
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except cfg.ConfigError as exc:
+        print(f"commhooks: config error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
