@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=args.steps, desc=args.label or args.hook, leave=False, file=sys.stderr)
+        progress = tqdm(total=args.steps, desc=args.label or args.hook, leave=False, file=sys.stderr, mininterval=1.0)
     losses = []
     start = time.perf_counter()
     for step, idx in rank_batches(len(data["y"]), args.batch_size, rank, world, args.seed):

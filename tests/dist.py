@@ -1,0 +1,108 @@
+"""Run a function on N real gloo ranks in fresh processes, with a hard timeout.
+
+    results = run_ranks(worker, world_size=2, some_arg=1)
+
+``worker(rank, world_size, **kwargs)`` runs after ``init_process_group("gloo")``
+in a spawned process; its return value comes back (via ``torch.save``).  An
+exception on any rank fails the test with that rank's traceback; a rank that
+does not finish in ``timeout`` seconds gets every rank killed and the test
+fails with "hang".  Workers must be module-level functions (spawn pickles them
+by name).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, outdir, kwargs, env):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+        **env,
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    out = Path(outdir) / f"rank{rank}.pt"
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        )
+        result = fn(rank, world, **kwargs)
+        torch.save({"ok": True, "result": result}, out)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as exc:  # report, never hang the parent
+        torch.save(
+            {"ok": False, "type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()},
+            out,
+        )
+        os._exit(1)
+
+
+class RankError(AssertionError):
+    """A worker raised; ``errors`` holds each rank's record (type, message, traceback)."""
+
+    def __init__(self, errors):
+        self.errors = errors
+        text = "\n".join(f"--- rank {r}: {e['type']}: {e['message']}\n{e['traceback']}" for r, e in errors.items())
+        super().__init__(f"{len(errors)} rank(s) failed:\n{text}")
+
+
+def run_ranks(fn, world_size: int = 2, timeout: float = 120.0, env=None, **kwargs):
+    """Run ``fn`` on ``world_size`` ranks; return the list of their return values."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as outdir:
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, port, outdir, kwargs, env or {}), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        records = {}
+        for r in range(world_size):
+            f = Path(outdir) / f"rank{r}.pt"
+            if f.exists():
+                records[r] = torch.load(f, weights_only=False)
+        errors = {r: rec for r, rec in records.items() if not rec["ok"]}
+        if errors:
+            raise RankError(errors)
+        if hung:
+            raise TimeoutError(f"rank(s) {hung} did not finish within {timeout:.0f}s (hang?)")
+        missing = [r for r in range(world_size) if r not in records]
+        if missing:
+            codes = {r: procs[r].exitcode for r in missing}
+            raise AssertionError(f"rank(s) {missing} died without a result, exit codes {codes}")
+        return [records[r]["result"] for r in range(world_size)]

@@ -1,0 +1,268 @@
+"""QSR local SGD through the DDP adapter, on 2 real gloo ranks."""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commhooks
+from commhooks.config import QSRConfig
+from commhooks.qsr import qsr_period
+from tests.dist import run_ranks
+
+IN, OUT = 8, 4
+
+
+def small_model(batchnorm: bool) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(IN, 16)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(16))
+    layers += [nn.ReLU(), nn.Linear(16, OUT)]
+    return nn.Sequential(*layers)
+
+
+def batch(step: int, rank: int, same_data: bool = False):
+    g = torch.Generator().manual_seed(1000 * step + (0 if same_data else rank))
+    return torch.randn(16, IN, generator=g), torch.randint(0, OUT, (16,), generator=g)
+
+
+def local_ddp(model: nn.Module) -> DDP:
+    return DDP(model, forward_sync_buffers=False)
+
+
+def flat_state(model: nn.Module) -> torch.Tensor:
+    """Parameters and float buffers of the model, as one vector."""
+    ts = [p.detach() for p in model.parameters()] + [b for b in model.buffers() if b.is_floating_point()]
+    return torch.cat([t.reshape(-1) for t in ts]).clone()
+
+
+def sgd_step(net, optimizer, step, rank, scheduler=None, same_data=False):
+    x, y = batch(step, rank, same_data)
+    optimizer.zero_grad()
+    F.cross_entropy(net(x), y).backward()
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+
+
+# --------------------------------------------------------------------------
+# the rule itself (single process)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("power", [1.0, 2.0, 3.0])
+def test_rule_formula(power):
+    conf = QSRConfig(alpha=0.1, h_base=2, power=power, warmup_steps=5, init_h=3)
+    assert qsr_period(0, 1e-6, conf) == 3 and qsr_period(4, 1e-6, conf) == 3  # warm-up: init_h
+    for lr in (0.5, 0.1, 0.05, 0.013, 0.001):
+        assert qsr_period(10, lr, conf) == max(2, math.floor((0.1 / lr) ** power))
+
+
+def test_rule_edges():
+    assert qsr_period(0, 0.1, QSRConfig(alpha=0.0, h_base=7)) == 7  # alpha 0: constant H
+    capped = QSRConfig(alpha=1.0, h_base=2, total_steps=100)
+    assert qsr_period(90, 0.01, capped) == 10  # capped at the remaining steps
+    assert qsr_period(100, 0.01, capped) == 1  # never below 1
+    assert qsr_period(0, 0.0, capped) == 100  # lr 0: sync only at the end
+    assert qsr_period(0, 0.0, QSRConfig(alpha=1.0)) > 10**9  # ... or never, without total_steps
+    assert qsr_period(0, 0.1, QSRConfig(h_base=4)) == 4  # default warm-up period is h_base
+
+
+# --------------------------------------------------------------------------
+# multi-rank behaviour
+# --------------------------------------------------------------------------
+
+
+def _h1_vs_ddp(rank, world, steps):
+    ref = DDP(small_model(False))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    qsr = local_ddp(small_model(False))
+    qsr_opt = torch.optim.SGD(qsr.parameters(), lr=0.1)
+    state = commhooks.QSRState(qsr_opt, model=qsr, alpha=0.0, h_base=1)
+    qsr.register_comm_hook(state, commhooks.qsr_hook)
+    for step in range(steps):
+        sgd_step(ref, ref_opt, step, rank)
+        sgd_step(qsr, qsr_opt, step, rank)
+    return flat_state(ref.module), flat_state(qsr.module), state.syncs
+
+
+def test_h1_plain_sgd_equals_ddp_allreduce():
+    results = run_ranks(_h1_vs_ddp, 2, steps=20)
+    for ref, qsr, syncs in results:
+        assert syncs == 20
+        assert torch.allclose(ref, qsr, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(results[0][0], flat_state(small_model(False)))  # it trained
+
+
+def lr_of_step(t, peak, warmup, total):
+    """Linear warm-up then cosine to zero, written out independently of LambdaLR."""
+    if t < warmup:
+        return peak * (t + 1) / warmup
+    return peak * 0.5 * (1.0 + math.cos(math.pi * (t - warmup) / (total - warmup)))
+
+
+def expected_sync_steps(total, peak, warmup, alpha, h_base, qsr_warmup, init_h):
+    out, t = [], 0
+    while t < total:
+        lr = lr_of_step(t, peak, warmup, total)
+        if t < qsr_warmup:
+            h = init_h
+        else:
+            h = max(1, min(total - t, max(h_base, math.floor((alpha / lr) ** 2))))
+        t += h
+        out.append(t)
+    return out
+
+
+def _cosine_run(rank, world, total, peak, warmup, alpha, h_base, init_h):
+    net = local_ddp(small_model(True))
+    opt = torch.optim.SGD(net.parameters(), lr=peak, momentum=0.9)
+
+    def factor(t):
+        if t < warmup:
+            return (t + 1) / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (t - warmup) / (total - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    state = commhooks.QSRState(
+        opt, model=net, alpha=alpha, h_base=h_base, warmup_steps=warmup, init_h=init_h, total_steps=total
+    )
+    net.register_comm_hook(state, commhooks.qsr_hook)
+    for step in range(total):
+        sgd_step(net, opt, step, rank, sched)
+    return state.sync_steps, state.step
+
+
+def test_sync_steps_follow_the_rule_on_a_cosine_schedule():
+    kw = dict(total=300, peak=0.1, warmup=20, alpha=0.15, h_base=2, init_h=1)
+    expected = expected_sync_steps(kw["total"], kw["peak"], kw["warmup"], kw["alpha"], kw["h_base"], kw["warmup"], kw["init_h"])
+    assert expected[:20] == list(range(1, 21))  # warm-up syncs every step
+    assert expected[-1] == 300 and len(expected) < 300 // 2  # thins out, ends synced
+    gaps = [b - a for a, b in zip(expected, expected[1:])]
+    assert max(gaps) > 10  # the quadratic rule really grew H
+    for sync_steps, steps in run_ranks(_cosine_run, 2, **kw):
+        assert steps == 300
+        assert sync_steps == expected
+
+
+def _sync_consistency(rank, world, steps, h_base):
+    net = local_ddp(small_model(True))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    state = commhooks.QSRState(opt, model=net, alpha=0.0, h_base=h_base)
+    net.register_comm_hook(state, commhooks.qsr_hook)
+    n_params = sum(p.numel() for p in net.parameters())
+    n_float_buffers = sum(b.numel() for b in net.module.buffers() if b.is_floating_point())
+    snaps, byte_deltas, call_deltas, synced = [], [], [], []
+    for step in range(steps):
+        b0, c0, s0 = state.meter.bytes(), state.meter.calls(), state.syncs
+        sgd_step(net, opt, step, rank)
+        snaps.append(flat_state(net.module))
+        byte_deltas.append(state.meter.bytes() - b0)
+        call_deltas.append(state.meter.calls() - c0)
+        synced.append(state.syncs > s0)
+    return dict(snaps=snaps, bytes=byte_deltas, calls=call_deltas, synced=synced,
+                n_params=n_params, n_float_buffers=n_float_buffers)
+
+
+def test_identical_after_sync_divergent_between_and_metered():
+    r0, r1 = run_ranks(_sync_consistency, 2, steps=12, h_base=3)
+    assert r0["synced"] == [(s + 1) % 3 == 0 for s in range(12)]
+    per_sync = (r0["n_params"] + r0["n_float_buffers"]) * 4
+    assert r0["n_float_buffers"] == 32  # BatchNorm running mean and var; num_batches_tracked is left alone
+    for step in range(12):
+        a, b = r0["snaps"][step], r1["snaps"][step]
+        if r0["synced"][step]:
+            assert torch.equal(a, b), f"ranks differ right after the sync at step {step}"
+            assert r0["bytes"][step] == per_sync and r0["calls"][step] == 1
+        else:
+            assert not torch.allclose(a, b), f"ranks identical between syncs at step {step} (different data)"
+            assert r0["bytes"][step] == 0 and r0["calls"][step] == 0, "gradient traffic between syncs"
+
+
+def _accumulation(rank, world, steps, micro):
+    net = local_ddp(small_model(False))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    state = commhooks.ddp.register(net, opt, {"type": "qsr", "h_base": 2})
+    for step in range(steps):
+        for m in range(micro):
+            x, y = batch(step * micro + m, rank)
+            if m < micro - 1:
+                with net.no_sync():
+                    F.cross_entropy(net(x), y).backward()
+            else:
+                F.cross_entropy(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return state.step, state.syncs
+
+
+def test_no_sync_accumulation_counts_optimizer_steps():
+    for step, syncs in run_ranks(_accumulation, 2, steps=6, micro=3):
+        assert (step, syncs) == (6, 3)
+
+
+def _broadcast_buffers_warning(rank, world):
+    net = DDP(small_model(True))  # default: buffers re-broadcast on every forward
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        commhooks.QSRState(opt, model=net, h_base=2)
+    quiet = local_ddp(small_model(True))
+    with warnings.catch_warnings(record=True) as caught_quiet:
+        warnings.simplefilter("always")
+        commhooks.QSRState(torch.optim.SGD(quiet.parameters(), lr=0.1), model=quiet, h_base=2)
+    return [str(w.message) for w in caught], [str(w.message) for w in caught_quiet]
+
+
+def test_broadcast_buffers_warns():
+    for loud, quiet in run_ranks(_broadcast_buffers_warning, 2):
+        assert any("forward_sync_buffers" in m for m in loud)
+        assert not any("forward_sync_buffers" in m for m in quiet)
+
+
+# --------------------------------------------------------------------------
+# checkpoint / resume
+# --------------------------------------------------------------------------
+
+
+def _resumable(rank, world, total, stop_at=None, resume_dir=None, save_dir=None):
+    net = local_ddp(small_model(True))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, total)
+    state = commhooks.QSRState(opt, model=net, alpha=0.05, h_base=2, total_steps=total)
+    net.register_comm_hook(state, commhooks.qsr_hook)
+    start = 0
+    if resume_dir is not None:
+        ck = torch.load(f"{resume_dir}/rank{rank}.pt", weights_only=False)
+        net.module.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        state.load_state_dict(ck["qsr"])
+        start = state.step
+    for step in range(start, total if stop_at is None else stop_at):
+        sgd_step(net, opt, step, rank, sched)
+    if save_dir is not None:
+        torch.save(
+            {"model": net.module.state_dict(), "optimizer": opt.state_dict(),
+             "scheduler": sched.state_dict(), "qsr": state.state_dict()},
+            f"{save_dir}/rank{rank}.pt",
+        )
+    return flat_state(net.module), state.state_dict(), state.sync_steps
+
+
+def test_checkpoint_resume_is_exact(tmp_path):
+    total = 40
+    full = run_ranks(_resumable, 2, total=total)
+    first = run_ranks(_resumable, 2, total=total, stop_at=17, save_dir=str(tmp_path))
+    assert first[0][1]["since_sync"] != 0, "pick a stop step inside a round"
+    resumed = run_ranks(_resumable, 2, total=total, resume_dir=str(tmp_path))
+    for rank in range(2):
+        assert torch.equal(full[rank][0], resumed[rank][0]), f"rank {rank} diverged after resume"
+        assert full[rank][1] == resumed[rank][1]
+        assert full[rank][2] == first[rank][2] + resumed[rank][2]

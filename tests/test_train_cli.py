@@ -1,0 +1,46 @@
+"""`commhooks train` under real torchrun with 2 ranks."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def torchrun(args, tmp_path, timeout=180):
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"))
+    return subprocess.run(
+        TORCHRUN + ["-m", "commhooks.train", "--no-progress", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def test_train_qsr_and_baseline_summaries(tmp_path):
+    runs = {}
+    for hook, extra in (("none", []), ("qsr", ["--config", str(REPO / "configs/qsr_mnist1d.json")])):
+        out = tmp_path / f"{hook}.json"
+        proc = torchrun(["--hook", hook, "--steps", "60", "--json-out", str(out), *extra], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"[commhooks] {hook}: test_acc=" in proc.stdout
+        runs[hook] = json.loads(out.read_text())
+    ddp, qsr = runs["none"], runs["qsr"]
+    assert ddp["syncs"] == 60 and ddp["bytes_per_rank"] % 60 == 0
+    per_step = ddp["bytes_per_rank"] // 60  # one gradient-sized payload per step
+    assert qsr["bytes_per_rank"] == qsr["syncs"] * per_step  # one parameter-sized payload per sync
+    assert qsr["syncs"] < 60 and qsr["config"]["total_steps"] == 60
+    table = subprocess.run(
+        [sys.executable, "-m", "commhooks.cli", "table", str(tmp_path / "none.json"), str(tmp_path / "qsr.json")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert "| qsr |" in table.stdout and "| none |" in table.stdout
+
+
+def test_bad_config_fails_on_every_rank_without_hang(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"type": "qsr", "h_base": 0}))
+    proc = torchrun(["--hook", "qsr", "--config", str(bad), "--steps", "5"], tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("config error: qsr.h_base must be >= 1, got 0") == 2, proc.stderr[-2000:]
