@@ -46,16 +46,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import defaultdict
-from typing import Dict, Iterable, List, Optional
+from typing import List, Optional
 
 import torch
 
+from .averaging import average_, buffers_broadcast_each_forward, float_buffers, optimizer_moments
 from .comm import Comm
 from .config import ConfigError, QSRConfig, from_dict, load_config
-
-OPTIMIZER_STATE_FIELDS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
-
 
 def qsr_period(step: int, lr: float, config: QSRConfig) -> int:
     """The synchronisation period for the round that starts at ``step``.
@@ -89,31 +86,11 @@ def sync_tensors(
     """The tensors a local-SGD sync averages: parameters, float buffers, optionally optimizer moments."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     tensors = list(params)
-    if average_buffers and module is not None:
-        tensors += [b for b in module.buffers() if torch.is_floating_point(b)]
+    if average_buffers:
+        tensors += float_buffers(module)
     if average_optimizer_state:
-        for p in params:
-            st = optimizer.state.get(p, {})
-            tensors += [st[f] for f in OPTIMIZER_STATE_FIELDS if isinstance(st.get(f), torch.Tensor)]
+        tensors += optimizer_moments(optimizer, params)
     return tensors
-
-
-def average_(comm: Comm, tensors: Iterable[torch.Tensor], group=None, tag: str = "sync") -> None:
-    """Average ``tensors`` in place over ``group``: one flat allreduce per (dtype, device)."""
-    buckets: Dict[tuple, List[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
-        buckets[(t.dtype, t.device)].append(t)
-    with torch.no_grad():
-        for same_kind in buckets.values():
-            comm.allreduce([t.data for t in same_kind], op="mean", group=group, tag=tag)
-
-
-def buffers_broadcast_each_forward(model) -> bool:
-    """Whether a DDP model re-broadcasts buffers on every forward (both torch spellings)."""
-    flag = getattr(model, "forward_sync_buffers", None)
-    if flag is None:
-        flag = getattr(model, "broadcast_buffers", False)
-    return bool(flag)
 
 
 class QSRState:

@@ -47,10 +47,10 @@ def test_collectives_and_meter():
         assert r["probe"] == 4
         assert r["world_calls"] == 5  # mean, sum, max, async, future
     assert r0["x"].item() == 5.0 and r1["x"].item() == 6.0
-    # payload: (3+4) + 1 + 1 + 5 + 2 floats allreduced, + 1 one-rank group call
-    assert r0["bytes"] - r0["bcast"] == (7 + 1 + 1 + 5 + 2 + 1) * 4
+    # payload: (3+4) + 1 + 1 + 5 + 2 floats allreduced; the one-rank group sends nothing
+    assert r0["bytes"] - r0["bcast"] == (7 + 1 + 1 + 5 + 2) * 4
     assert r0["bcast"] == 0 and r1["bcast"] == 4  # a broadcast is counted at its source
-    assert r0["calls"] == 6 and r1["calls"] == 7
+    assert r0["calls"] == 5 and r1["calls"] == 6
 
 
 def test_meter_filters_and_reset():

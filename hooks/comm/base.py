@@ -117,6 +117,13 @@ class Work:
             self._result = self._wait()
         return self._result
 
+    def then(self, fn: Callable[[List[torch.Tensor]], List[torch.Tensor]]) -> "Work":
+        """A Work whose result is ``fn(this work's result)``, run once when the reduction is done."""
+        if self._future is not None:
+            chained = self._future.then(lambda fut: fn(fut.value()))
+            return Work(chained.wait, chained)
+        return Work(lambda: fn(self.wait()))
+
     def future(self) -> torch.futures.Future:
         if self._future is None:
             fut: torch.futures.Future = torch.futures.Future()
@@ -210,10 +217,10 @@ class Comm:
             work = Work(lambda: [])
             return work if async_op else []
         flat = flatten(tensors)
-        self.meter.record(group.name, "allreduce", flat.numel() * flat.element_size(), tag)
-        if group.size == 1:
+        if group.size == 1:  # nothing leaves the rank: not metered
             wait, fut = (lambda: None), None
         else:
+            self.meter.record(group.name, "allreduce", flat.numel() * flat.element_size(), tag)
             wait, fut = self._allreduce_flat(flat, "sum" if op == "mean" else op, group, async_op)
 
         def finish(_=None):

@@ -1,0 +1,49 @@
+"""Model averaging shared by the algorithms: what a sync averages, and one flat call per dtype."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, Iterable, List, Optional
+
+import torch
+
+from .comm import Comm
+
+OPTIMIZER_STATE_FIELDS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+
+
+def float_buffers(module: Optional[torch.nn.Module]) -> List[torch.Tensor]:
+    """Floating buffers (BatchNorm statistics); integer ones such as ``num_batches_tracked`` are left alone."""
+    return [] if module is None else [b for b in module.buffers() if torch.is_floating_point(b)]
+
+
+def optimizer_moments(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+    out = []
+    for p in params:
+        st = optimizer.state.get(p, {})
+        out += [st[f] for f in OPTIMIZER_STATE_FIELDS if isinstance(st.get(f), torch.Tensor)]
+    return out
+
+
+def average_(comm: Comm, tensors: Iterable[torch.Tensor], group=None, tag: str = "sync") -> None:
+    """Average ``tensors`` in place over ``group``: one flat allreduce per (dtype, device)."""
+    buckets: Dict[tuple, List[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        buckets[(t.dtype, t.device)].append(t)
+    with torch.no_grad():
+        for same_kind in buckets.values():
+            comm.allreduce([t.data for t in same_kind], op="mean", group=group, tag=tag)
+
+
+def buffers_broadcast_each_forward(model) -> bool:
+    """Whether a DDP model re-broadcasts buffers on every forward (both torch spellings)."""
+    flag = getattr(model, "forward_sync_buffers", None)
+    if flag is None:
+        flag = getattr(model, "broadcast_buffers", False)
+    return bool(flag)
+
+
+def clear_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
+    """Forget the state of ``params`` (momentum, Adam moments and step): the optimizer re-creates it lazily."""
+    for p in params:
+        optimizer.state.pop(p, None)
