@@ -3,13 +3,19 @@
 Public names only; see the README for usage.
 """
 
-from .config import ConfigError, QSRConfig, load_config
-from .ddp import allreduce_hook, qsr_hook
+from . import ab, ddp
+from .ab import ABState, LRRebound
+from .config import ABConfig, ConfigError, QSRConfig, load_config
+from .ddp import ab_hook, allreduce_hook, qsr_hook
 from .qsr import QSRState, qsr_period
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ABConfig",
+    "ABState",
+    "LRRebound",
+    "ab_hook",
     "ConfigError",
     "QSRConfig",
     "QSRState",

@@ -13,6 +13,11 @@ Usage, two lines after building the DDP model and optimizer::
 or in one call, with a config object, dict or JSON file from ``configs/``::
 
     state = commhooks.ddp.register(ddp_model, optimizer, "configs/qsr_mnist1d.json")
+
+AB-training the same way::
+
+    state = commhooks.ABState(ddp_model, optimizer, warmup_steps=300, sync_period=100, full_rank_steps=10)
+    ddp_model.register_comm_hook(state, commhooks.ab_hook)
 """
 
 
@@ -21,6 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .ab import ABState
 from .comm import Comm
 from .config import load_config
 from .qsr import QSRState
@@ -39,6 +45,18 @@ def qsr_hook(state: QSRState, bucket: dist.GradBucket) -> torch.futures.Future[t
     unscaled, so each rank's optimizer sees exactly its own gradient.
     """
     return _completed(bucket.buffer())
+
+
+def ab_hook(state: ABState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """AB-training: full-rank allreduce in warm-up and full-rank phases; in AB phases only the
+    factor gradient (G B^T on A-ranks, A^T G on B-ranks) is averaged, inside the rank's group.
+
+    State is keyed by parameter, so DDP's bucket rebuild after the first iteration is harmless;
+    works with ``gradient_as_bucket_view=True`` (the bucket's gradients are written in place).
+    """
+    buffer = bucket.buffer()
+    work = state.reduce_gradients(bucket.gradients(), bucket.parameters(), flat=buffer)
+    return work.future().then(lambda fut: buffer)
 
 
 class AllreduceState:
@@ -81,4 +99,6 @@ def register(ddp_model, optimizer, config, process_group=None):
         state = QSRState(optimizer, model=ddp_model, process_group=process_group, config=config)
         ddp_model.register_comm_hook(state, qsr_hook)
         return state
-    raise NotImplementedError(f"no DDP hook for config type {config.kind!r}")  # pragma: no cover
+    state = ABState(ddp_model, optimizer, process_group=process_group, config=config)
+    ddp_model.register_comm_hook(state, ab_hook)
+    return state

@@ -1,0 +1,40 @@
+"""Which ranks train which factor: contiguous groups, first half A, second half B."""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from ..config import ABConfig, ConfigError
+
+
+def resolve_group_size(config: ABConfig, world: int, local_world: int) -> int:
+    """``None`` -> ranks per node, ``-1`` -> half of the world."""
+    if config.mode == "only-b":
+        return world
+    if config.group_size is None:
+        return local_world
+    if config.group_size == -1:
+        return max(1, world // 2)
+    return config.group_size
+
+
+def make_groups(config: ABConfig, world: int, local_world: int) -> Tuple[List[Tuple[int, ...]], List[str]]:
+    """The groups (tuples of ranks) and their roles (``"A"`` or ``"B"``).
+
+    ``groups`` mode: ``world // group_size`` contiguous groups; the first
+    ``n // 2`` train A, the rest train B.  ``only-b``: one group, the whole
+    world, trains B.
+    """
+    size = resolve_group_size(config, world, local_world)
+    if config.mode == "only-b":
+        return [tuple(range(world))], ["B"]
+    if world % size != 0 or world // size < 2:
+        origin = {None: " (ranks per node, LOCAL_WORLD_SIZE)", -1: " (half the world)"}.get(config.group_size, "")
+        raise ConfigError(
+            f"ab.group_size {size}{origin} must divide the {world} ranks into at least two groups in 'groups' mode; "
+            f"use a group_size that divides {world} into >= 2 parts (e.g. 1 or -1), or mode 'only-b'"
+        )
+    n = world // size
+    groups = [tuple(range(i * size, (i + 1) * size)) for i in range(n)]
+    roles = ["A" if i < n // 2 else "B" for i in range(n)]
+    return groups, roles
