@@ -14,7 +14,9 @@ install:
 demo: install
 	$(TRAIN) --hook none --label ddp-allreduce --json-out $(DEMO)/ddp.json
 	$(TRAIN) --hook qsr --config configs/qsr_mnist1d.json --label qsr --json-out $(DEMO)/qsr.json
-	@$(VENV)/bin/commhooks table $(DEMO)/ddp.json $(DEMO)/qsr.json
+	$(TRAIN) --hook ab --config configs/ab_mnist1d.json --label ab-groups --json-out $(DEMO)/ab.json
+	$(TRAIN) --hook ab --config configs/ab_onlyb_mnist1d.json --label ab-only-b --json-out $(DEMO)/ab_onlyb.json
+	@$(VENV)/bin/commhooks table $(DEMO)/ddp.json $(DEMO)/qsr.json $(DEMO)/ab.json $(DEMO)/ab_onlyb.json
 
 test: install
 	$(VENV)/bin/python -m pytest -q

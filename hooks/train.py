@@ -25,11 +25,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import config as cfg
 from . import ddp as ddp_adapter
+from .ab import LRRebound
 from .data import load_mnist1d, rank_batches
 from .launch import init_distributed, shutdown
 from .models import build_model
 
-HOOKS = ("none", "qsr")
+HOOKS = ("none", "qsr", "ab")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -39,10 +40,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
     p.add_argument("--steps", type=int, default=1200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
-    p.add_argument("--lr", type=float, default=0.05, help="peak learning rate")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
+    p.add_argument("--lr", type=float, default=0.003, help="peak learning rate")
+    p.add_argument("--momentum", type=float, default=0.9, help="SGD only")
+    p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--lr-warmup", type=int, default=50, help="linear lr warm-up steps before the cosine decay")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-seed", type=int, default=42, help="seed of mnist1d.make_dataset")
@@ -112,6 +113,8 @@ def run(args: argparse.Namespace) -> dict:
     optimizer = build_optimizer(args.optimizer, net.parameters(), args.lr, args.momentum, args.weight_decay)
     scheduler = cosine_with_warmup(optimizer, args.lr_warmup, args.steps)
     state = ddp_adapter.register(net, optimizer, conf)
+    if conf is not None and conf.kind == "ab" and conf.rebound_steps > 0:
+        scheduler = LRRebound(scheduler, state)
 
     progress = None
     if rank == 0 and not args.no_progress:
@@ -152,7 +155,11 @@ def run(args: argparse.Namespace) -> dict:
         "wall_s": round(wall, 2),
         "config": cfg.to_dict(conf),
     }
+    if hasattr(state, "report"):
+        summary["ab_report"] = state.report()
     if rank == 0:
+        if hasattr(state, "format_report"):
+            print(state.format_report(), flush=True)
         print(format_summary(summary), flush=True)
         if args.json_out:
             Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

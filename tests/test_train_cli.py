@@ -38,9 +38,33 @@ def test_train_qsr_and_baseline_summaries(tmp_path):
     assert "| qsr |" in table.stdout and "| none |" in table.stdout
 
 
+def test_train_ab_prints_report_and_meters_phases(tmp_path):
+    conf = tmp_path / "ab.json"
+    conf.write_text(json.dumps({"type": "ab", "warmup_steps": 10, "sync_period": 10, "full_rank_steps": 2,
+                                "mode": "only-b", "rank_cutoff": 0.6}))
+    out = tmp_path / "ab.json.out"
+    proc = torchrun(["--hook", "ab", "--config", str(conf), "--steps", "30", "--json-out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "AB report: step 30" in proc.stdout and "overall parameter compression" in proc.stdout
+    summary = json.loads(out.read_text())
+    tags = summary["ab_report"]["bytes_by_tag"]
+    assert tags["ab-grad"] > 0 and tags["full-grad"] > 0 and tags["sync"] > 0
+    assert summary["bytes_per_rank"] == sum(tags.values())
+    head = next(layer for layer in summary["ab_report"]["layers"] if layer["name"] == "head.1.weight")
+    assert head["rank"] is not None and head["compression"] >= 2.0
+
+
 def test_bad_config_fails_on_every_rank_without_hang(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"type": "qsr", "h_base": 0}))
     proc = torchrun(["--hook", "qsr", "--config", str(bad), "--steps", "5"], tmp_path, timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.count("config error: qsr.h_base must be >= 1, got 0") == 2, proc.stderr[-2000:]
+
+
+def test_ab_group_error_on_every_rank_without_hang(tmp_path):
+    conf = tmp_path / "ab.json"
+    conf.write_text(json.dumps({"type": "ab", "group_size": None, "mode": "groups"}))  # 2 ranks on one node: 1 group
+    proc = torchrun(["--hook", "ab", "--config", str(conf), "--steps", "5"], tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("config error: ab.group_size 2 (ranks per node, LOCAL_WORLD_SIZE)") == 2, proc.stderr[-2000:]
