@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
-EXTRAS=test
+EXTRAS=test,mpi
 CACHE=${COMMHOOKS_CACHE:-$PWD/.cache}
 
 stamp="$VENV/.commhooks-installed"
@@ -29,6 +29,13 @@ echo "install: torch==$TORCH_VERSION"
 "${pip[@]}" -q "torch==$TORCH_VERSION"
 echo "install: commhooks[$EXTRAS] (editable)"
 "${pip[@]}" -q -e ".[$EXTRAS]"
+
+# MPICH beside the venv's Open MPI, for the mpiexec tests and users of MPICH-family launchers:
+# select its library with MPI4PY_LIBMPI=$CACHE/mpich/lib/libmpi.so.12 (launchers/mpirun.sh does).
+if [ ! -x "$CACHE/mpich/bin/mpiexec" ]; then
+    echo "install: mpich into $CACHE/mpich"
+    "${pip[@]}" -q --prefix "$CACHE/mpich" mpich
+fi
 
 "$VENV/bin/python" -c "import torch, commhooks; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__"
 echo "$want" > "$stamp"

@@ -1,48 +1,264 @@
 """Start ``torch.distributed`` from whatever launched the process.
 
-Reads torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); an already
-initialised process group is reused.  Picks gloo on CPU, NCCL on GPU.
+Cluster users start jobs with ``mpirun`` or ``srun``, not ``torchrun``.
+:func:`init_distributed` finds rank, world size, local rank and local world
+size, in this order, from:
+
+1. an already initialised process group (reused as is);
+2. torchrun / the deepspeed launcher: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+   ``LOCAL_WORLD_SIZE``;
+3. Open MPI: ``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``;
+4. MPICH / Intel MPI: ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``;
+5. SLURM: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, and the tasks
+   on this node from ``SLURM_NTASKS_PER_NODE`` or ``SLURM_TASKS_PER_NODE``.
+
+The rendezvous address is ``MASTER_ADDR`` if set, else the first host of
+``SLURM_JOB_NODELIST`` under SLURM, else 127.0.0.1 when every rank is on one
+node, else rank 0's host name sent by mpi4py.  The port is ``MASTER_PORT`` if
+set; else under MPI rank 0 picks a free port and mpi4py broadcasts it; under
+SLURM without MPI it is derived from ``SLURM_JOB_ID`` (the same on every rank).
+The variables torch, Horovod and DeepSpeed read (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) are set
+before ``init_process_group``.  A missing or inconsistent variable raises
+:class:`LaunchError` naming it, on every rank whose environment is broken.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
+import re
+import socket
+from typing import List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+class LaunchError(RuntimeError):
+    """The launcher's environment is missing a variable or contradicts itself."""
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where this process sits in the job, and who found out."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    source: str  # "torchrun", "openmpi", "mpich", "slurm", "initialised"
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+
+
+# (source, rank, size, local rank, local size)
+_MPI_STYLE = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
+def _int(env: Mapping[str, str], key: str, source: str) -> int:
+    if key not in env:
+        raise LaunchError(f"{source} environment detected but {key} is missing")
+    try:
+        return int(env[key])
+    except ValueError:
+        raise LaunchError(f"{key} must be an integer, got {env[key]!r}") from None
+
+
+def parse_nodelist(nodelist: str) -> List[str]:
+    """Expand a SLURM node list: ``node[01-04,07],gpu3`` -> node01 .. node04, node07, gpu3.
+
+    Zero padding is kept; several bracket groups in one name (``r[1-2]n[3,5]``)
+    expand as a product.
+    """
+    hosts: List[str] = []
+    depth, start = 0, 0
+    for i, ch in enumerate(nodelist + ","):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            if nodelist[start:i]:
+                hosts += _expand_host(nodelist[start:i])
+            start = i + 1
+    if depth != 0:
+        raise LaunchError(f"SLURM_JOB_NODELIST has unbalanced brackets: {nodelist!r}")
+    return hosts
+
+
+def _expand_host(pattern: str) -> List[str]:
+    m = re.search(r"\[([^\]]*)\]", pattern)
+    if m is None:
+        return [pattern]
+    head, tail = pattern[: m.start()], pattern[m.end():]
+    out = []
+    for part in m.group(1).split(","):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            if not (lo.isdigit() and hi.isdigit()) or int(lo) > int(hi):
+                raise LaunchError(f"SLURM_JOB_NODELIST has a bad range {part!r} in {pattern!r}")
+            width = len(lo)
+            names = [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
+        else:
+            names = [part]
+        out += [head + n + t for n in names for t in _expand_host(tail)]
+    return out
+
+
+def parse_tasks_per_node(spec: str) -> List[int]:
+    """Expand ``SLURM_TASKS_PER_NODE``: ``2(x3),1`` -> [2, 2, 2, 1]."""
+    out: List[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            raise LaunchError(f"SLURM_TASKS_PER_NODE has a bad entry {part!r} in {spec!r}")
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return out
+
+
+def _slurm(env: Mapping[str, str]) -> Placement:
+    src = "SLURM"
+    rank, size, local = (_int(env, k, src) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
+    if "SLURM_NTASKS_PER_NODE" in env:
+        local_size = _int(env, "SLURM_NTASKS_PER_NODE", src)
+    elif "SLURM_TASKS_PER_NODE" in env:
+        counts = parse_tasks_per_node(env["SLURM_TASKS_PER_NODE"])
+        node = _int(env, "SLURM_NODEID", src) if len(counts) > 1 else 0
+        if node >= len(counts):
+            raise LaunchError(f"SLURM_NODEID {node} is outside SLURM_TASKS_PER_NODE {env['SLURM_TASKS_PER_NODE']!r}")
+        local_size = counts[node]
+    else:
+        raise LaunchError("SLURM environment detected but SLURM_NTASKS_PER_NODE and SLURM_TASKS_PER_NODE are missing")
+    addr = env.get("MASTER_ADDR")
+    if addr is None:
+        nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST"))
+        if nodelist is None:
+            raise LaunchError("SLURM environment detected but SLURM_JOB_NODELIST is missing (and MASTER_ADDR is not set)")
+        addr = parse_nodelist(nodelist)[0]
+    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None
+    if port is None and "SLURM_JOB_ID" in env:
+        port = 20000 + int(env["SLURM_JOB_ID"]) % 20000  # same on every rank of the job, no communication
+    return Placement(rank, size, local, local_size, "slurm", addr, port)
+
+
+def discover(env: Optional[Mapping[str, str]] = None) -> Optional[Placement]:
+    """Read the placement from the launcher's variables; ``None`` if no launcher is recognised."""
+    env = os.environ if env is None else env
+    placement = None
+    for source, rank_key, size_key, local_key, local_size_key in _MPI_STYLE:
+        if rank_key in env:
+            rank, size = _int(env, rank_key, source), _int(env, size_key, source)
+            if source == "torchrun":  # plain RANK/WORLD_SIZE scripts often omit the local pair
+                local = int(env.get(local_key, 0))
+                local_size = int(env.get(local_size_key, size))
+            elif local_key not in env and "SLURM_PROCID" in env:
+                break  # srun --mpi=pmi2 sets PMI_RANK but not the local pair: SLURM knows it
+            else:
+                local, local_size = _int(env, local_key, source), _int(env, local_size_key, source)
+            port = env.get("MASTER_PORT")
+            placement = Placement(rank, size, local, local_size, source, env.get("MASTER_ADDR"),
+                                  int(port) if port else None)
+            break
+    if placement is None and "SLURM_PROCID" in env:
+        placement = _slurm(env)
+    if placement is None:
+        return None
+    p = placement
+    checks = (
+        (p.world_size >= 1, f"world size must be >= 1, got {p.world_size}"),
+        (0 <= p.rank < p.world_size, f"rank {p.rank} is outside world size {p.world_size}"),
+        (1 <= p.local_world_size <= p.world_size, f"local world size {p.local_world_size} is outside 1..{p.world_size}"),
+        (0 <= p.local_rank < p.local_world_size, f"local rank {p.local_rank} is outside local world size {p.local_world_size}"),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise LaunchError(f"inconsistent {p.source} environment: {message}")
+    return placement
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _fill_rendezvous_with_mpi(p: Placement) -> None:
+    """Rank 0's host and a free port of its, broadcast with mpi4py."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise LaunchError(
+            f"{p.source} launch without MASTER_ADDR/MASTER_PORT needs mpi4py to share them "
+            "(pip install 'commhooks[mpi]'), or export MASTER_ADDR and MASTER_PORT"
+        ) from None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != p.world_size:
+        raise LaunchError(
+            f"mpi4py sees {comm.Get_size()} rank(s) but the {p.source} launcher says {p.world_size}: "
+            "mpi4py is using another MPI library than the launcher (set MPI4PY_LIBMPI to the launcher's "
+            "libmpi.so), or export MASTER_ADDR and MASTER_PORT"
+        )
+    mine = (socket.gethostname(), _free_port()) if p.rank == 0 else None
+    host, port = comm.bcast(mine, root=0)
+    if p.master_addr is None:
+        p.master_addr = "127.0.0.1" if p.local_world_size == p.world_size else host
+    if p.master_port is None:
+        p.master_port = port
 
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
-def init_distributed(backend: str | None = None, timeout: float = 300.0) -> dict:
-    """Initialise the default process group once; return ``{rank, world_size, local_rank, local_world_size}``."""
-    if not dist.is_initialized():
-        missing = [k for k in REQUIRED if k not in os.environ]
-        if missing:
-            raise RuntimeError(
-                f"cannot start torch.distributed: environment variable(s) {', '.join(missing)} missing; "
-                "start the script with torchrun (e.g. torchrun --standalone --nproc_per_node 2 ...)"
-            )
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
-        dist.init_process_group(
-            backend or default_backend(),
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-            timeout=datetime.timedelta(seconds=timeout),
+def init_distributed(backend: Optional[str] = None, timeout: float = 300.0) -> dict:
+    """Initialise the default process group once; return the placement as a dict.
+
+    ``timeout`` (seconds) bounds the rendezvous and every collective of the
+    default group, so a missing rank fails the job instead of hanging it.
+    """
+    if dist.is_initialized():
+        return {
+            "rank": dist.get_rank(),
+            "world_size": dist.get_world_size(),
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
+            "source": "initialised",
+        }
+    p = discover()
+    if p is None:
+        raise LaunchError(
+            "no launcher environment found (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, PMI_*, SLURM_*): start the script "
+            "with torchrun, mpirun, mpiexec or srun (e.g. torchrun --standalone --nproc_per_node 2 ...)"
         )
-    return {
-        "rank": dist.get_rank(),
-        "world_size": dist.get_world_size(),
-        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-        "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
-    }
+    if p.master_addr is None and p.local_world_size == p.world_size and p.source != "torchrun":
+        p.master_addr = "127.0.0.1"  # one node: no need to ask anyone
+    if p.master_addr is None or p.master_port is None:
+        if p.source in ("openmpi", "mpich"):
+            _fill_rendezvous_with_mpi(p)
+        else:
+            missing = [k for k, v in (("MASTER_ADDR", p.master_addr), ("MASTER_PORT", p.master_port)) if v is None]
+            raise LaunchError(f"{p.source} environment without {' and '.join(missing)}: export it")
+    os.environ.update(
+        RANK=str(p.rank),
+        WORLD_SIZE=str(p.world_size),
+        LOCAL_RANK=str(p.local_rank),
+        LOCAL_WORLD_SIZE=str(p.local_world_size),
+        MASTER_ADDR=p.master_addr,
+        MASTER_PORT=str(p.master_port),
+    )
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(p.local_rank)
+    dist.init_process_group(
+        backend, rank=p.rank, world_size=p.world_size, timeout=datetime.timedelta(seconds=timeout)
+    )
+    return dataclasses.asdict(p)
 
 
 def shutdown() -> None:

@@ -27,7 +27,7 @@ from . import config as cfg
 from . import ddp as ddp_adapter
 from .ab import LRRebound
 from .data import load_mnist1d, rank_batches
-from .launch import init_distributed, shutdown
+from .launch import LaunchError, init_distributed, shutdown
 from .models import build_model
 
 HOOKS = ("none", "qsr", "ab")
@@ -182,6 +182,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run(args)
     except cfg.ConfigError as exc:
         print(f"commhooks: config error: {exc}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:
+        print(f"commhooks: launch error: {exc}", file=sys.stderr)
         return 2
     return 0
 
