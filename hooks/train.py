@@ -1,6 +1,7 @@
 """Reference trainer: MNIST-1D across the ranks of whatever launcher started it.
 
     torchrun --standalone --nproc_per_node 2 -m commhooks.train --hook qsr --config configs/qsr_mnist1d.json
+    deepspeed --num_gpus 2 --module commhooks.train --backend deepspeed --deepspeed_config configs/ds_ab_mnist1d.json
 
 Prints one summary line per run (rank 0) and, with ``--json-out``, writes it
 as JSON for ``commhooks table``.
@@ -35,8 +36,12 @@ HOOKS = ("none", "qsr", "ab")
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="commhooks train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hook", choices=HOOKS, default="none", help="communication method (none = DDP allreduce)")
+    p.add_argument("--hook", choices=HOOKS, default="none", help="communication method (none = plain allreduce)")
     p.add_argument("--config", help="hook settings: JSON file (configs/...) with the fields of the hook's config")
+    p.add_argument("--backend", choices=("ddp", "deepspeed"), default="ddp", help="engine the hook plugs into")
+    p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
+                   help="DeepSpeed JSON; its \"comm_hook\" section, if any, chooses the hook (--backend deepspeed)")
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     p.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
     p.add_argument("--steps", type=int, default=1200, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
@@ -102,19 +107,82 @@ def accuracy(model, x, y) -> float:
     return acc
 
 
+def deepspeed_config(args, conf) -> dict:
+    """The DeepSpeed config: the file's (whose ``comm_hook`` section wins), completed from the command line."""
+    from . import deepspeed as ds_adapter
+
+    ds = ds_adapter.read_ds_config(args.deepspeed_config)
+    ds.setdefault("train_micro_batch_size_per_gpu", args.batch_size)
+    ds.setdefault("gradient_accumulation_steps", 1)
+    ds.setdefault("gradient_clipping", 0.0)  # DeepSpeed's default is 1.0; 0 compares like with like against DDP
+    ds["comm_hook"] = cfg.to_dict(conf)
+    if conf is not None:
+        ds_adapter.check_supported(ds)
+    return ds
+
+
+def resolve_hook(args):
+    """The hook's config (validated before any collective, so every rank raises the same error)."""
+    if args.backend == "deepspeed" and args.deepspeed_config:
+        from .deepspeed import read_ds_config
+
+        section = read_ds_config(args.deepspeed_config).get("comm_hook")
+        if section is not None:
+            conf = cfg.load_config({"comm_hook": section})
+            args.hook = "none" if conf is None else conf.kind
+            if getattr(conf, "total_steps", "absent") is None:
+                conf.total_steps = args.steps
+            return conf
+    return hook_config(args)
+
+
+def build_trainer(args, model, conf):
+    """(train_step, state, micro_batch, accumulation) for the chosen engine; train_step takes micro-batches."""
+    if args.backend == "ddp":
+        net = wrap_ddp(model, local_buffers=conf is not None)
+        optimizer = build_optimizer(args.optimizer, net.parameters(), args.lr, args.momentum, args.weight_decay)
+        state = ddp_adapter.register(net, optimizer, conf)
+        forward, backward, step = net, lambda loss: loss.backward(), optimizer.step
+        micro, accumulation = args.batch_size, 1
+    else:
+        from . import deepspeed as ds_adapter
+
+        ds = deepspeed_config(args, conf)
+        optimizer = build_optimizer(args.optimizer, model.parameters(), args.lr, args.momentum, args.weight_decay)
+        engine, *_ = ds_adapter.initialize(model=model, optimizer=optimizer, config=ds)
+        state = engine.comm_hook_state
+        forward, backward, step = engine, engine.backward, engine.step
+        micro, accumulation = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    scheduler = cosine_with_warmup(optimizer, args.lr_warmup, args.steps)
+    if conf is not None and conf.kind == "ab" and conf.rebound_steps > 0:
+        scheduler = LRRebound(scheduler, state)
+
+    def train_step(batches):
+        losses = []
+        if args.backend == "ddp":
+            optimizer.zero_grad(set_to_none=True)
+        for x, y in batches:
+            loss = F.cross_entropy(forward(x), y)
+            backward(loss)
+            if args.backend == "deepspeed":
+                step()  # DeepSpeed counts micro-steps; the boundary one updates
+            losses.append(loss.item())
+        if args.backend == "ddp":
+            step()
+        scheduler.step()
+        return sum(losses) / len(losses), scheduler.get_last_lr()[0]
+
+    return train_step, state, micro, accumulation
+
+
 def run(args: argparse.Namespace) -> dict:
-    conf = hook_config(args)  # validate before any collective: every rank raises the same error
+    conf = resolve_hook(args)
     info = init_distributed()
     rank, world = info["rank"], info["world_size"]
     torch.manual_seed(args.seed)
     data = load_mnist1d(Path(args.cache_dir), seed=args.data_seed)
     model = build_model(args.model)
-    net = wrap_ddp(model, local_buffers=conf is not None)
-    optimizer = build_optimizer(args.optimizer, net.parameters(), args.lr, args.momentum, args.weight_decay)
-    scheduler = cosine_with_warmup(optimizer, args.lr_warmup, args.steps)
-    state = ddp_adapter.register(net, optimizer, conf)
-    if conf is not None and conf.kind == "ab" and conf.rebound_steps > 0:
-        scheduler = LRRebound(scheduler, state)
+    train_step, state, micro, accumulation = build_trainer(args, model, conf)
 
     progress = None
     if rank == 0 and not args.no_progress:
@@ -122,20 +190,16 @@ def run(args: argparse.Namespace) -> dict:
 
         progress = tqdm(total=args.steps, desc=args.label or args.hook, leave=False, file=sys.stderr, mininterval=1.0)
     losses = []
+    batches = rank_batches(len(data["y"]), micro, rank, world, args.seed)
     start = time.perf_counter()
-    for step, idx in rank_batches(len(data["y"]), args.batch_size, rank, world, args.seed):
-        if step >= args.steps:
-            break
-        loss = F.cross_entropy(net(data["x"][idx]), data["y"][idx])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
+    for step in range(args.steps):
+        chunk = [next(batches)[1] for _ in range(accumulation)]
+        loss, lr = train_step([(data["x"][idx], data["y"][idx]) for idx in chunk])
+        losses.append(loss)
         if progress is not None:
             progress.update(1)
             if step % 50 == 0:
-                progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{scheduler.get_last_lr()[0]:.4f}")
+                progress.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.4f}")
     wall = time.perf_counter() - start
     if progress is not None:
         progress.close()
@@ -150,7 +214,8 @@ def run(args: argparse.Namespace) -> dict:
         "steps": args.steps,
         "test_acc": round(accuracy(model, data["x_test"], data["y_test"]), 4),
         "train_loss": round(tail.item() / world, 4),
-        "bytes_per_rank": state.meter.bytes(),
+        "backend": args.backend,
+        "bytes_per_rank": None if state is None else state.meter.bytes(),  # None: DeepSpeed's own, unmetered
         "syncs": getattr(state, "syncs", args.steps),
         "wall_s": round(wall, 2),
         "config": cfg.to_dict(conf),
@@ -169,9 +234,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def format_summary(s: dict) -> str:
+    nbytes = "unmetered" if s["bytes_per_rank"] is None else f"{s['bytes_per_rank'] / 1e6:.2f}MB"
     return (
         f"[commhooks] {s['label']}: test_acc={s['test_acc']:.4f} train_loss={s['train_loss']:.4f} "
-        f"bytes/rank={s['bytes_per_rank'] / 1e6:.2f}MB syncs={s['syncs']} steps={s['steps']} "
+        f"bytes/rank={nbytes} syncs={s['syncs']} steps={s['steps']} "
         f"ranks={s['ranks']} wall={s['wall_s']:.1f}s"
     )
 

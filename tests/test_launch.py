@@ -203,3 +203,10 @@ def test_launcher_slurm_srun_line():
     procs, outs = srun_by_hand(command)
     assert all(p.returncode == 0 for p in procs), "".join(e for _, e in outs)[-3000:]
     assert "".join(o for o, _ in outs).count("[commhooks] ab: test_acc=") == 1
+
+
+def test_launcher_deepspeed():
+    env = clean_env(MASTER_PORT=str(29600 + os.getpid() % 100))
+    proc = run_script(["bash", "launchers/deepspeed.sh", *SHORT], env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("[commhooks] ab: test_acc=") == 1 and "ranks=2" in proc.stdout
