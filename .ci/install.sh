@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
-EXTRAS=test,mpi,deepspeed
+EXTRAS=test,mpi,deepspeed,horovod
 CACHE=${COMMHOOKS_CACHE:-$PWD/.cache}
 
 stamp="$VENV/.commhooks-installed"
@@ -27,6 +27,46 @@ pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -c "$constrai
 
 echo "install: torch==$TORCH_VERSION"
 "${pip[@]}" -q "torch==$TORCH_VERSION"
+
+# Horovod 0.28.1 is an sdist that needs patching for torch 2.x (its CMake files ask for C++14;
+# torch's headers need C++17). Build a wheel once, keep it under .cache/wheels (and in the
+# user cache, so another clone on this machine finds it), install it before the package so
+# pip sees the `horovod` extra satisfied. A failed build fails the install, loudly.
+HOROVOD_VERSION=0.28.1
+pytag=$("$VENV/bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+key="horovod-$HOROVOD_VERSION-torch$TORCH_VERSION-$pytag"
+wheels="$CACHE/wheels/$key"
+user_wheels="${XDG_CACHE_HOME:-$HOME/.cache}/commhooks/wheels/$key"
+if ! "$VENV/bin/python" -c "import horovod.torch" 2>/dev/null; then
+    if ! ls "$wheels"/horovod-*.whl >/dev/null 2>&1 && ls "$user_wheels"/horovod-*.whl >/dev/null 2>&1; then
+        mkdir -p "$wheels" && cp "$user_wheels"/* "$wheels"/
+    fi
+    if ! ls "$wheels"/horovod-*.whl >/dev/null 2>&1; then
+        echo "install: building Horovod $HOROVOD_VERSION against torch $TORCH_VERSION (several minutes on 2 cores)"
+        "${pip[@]}" -q "cmake<4" wheel setuptools packaging psutil pyyaml cloudpickle
+        src="$CACHE/horovod-src"
+        mkdir -p "$src"
+        ls "$src"/horovod-$HOROVOD_VERSION.tar.gz >/dev/null 2>&1 || \
+            "$VENV/bin/python" -m pip download -q --no-deps --no-binary :all: -d "$src" "horovod==$HOROVOD_VERSION"
+        build="$CACHE/horovod-build"
+        rm -rf "$build" && mkdir -p "$build"
+        tar xzf "$src/horovod-$HOROVOD_VERSION.tar.gz" -C "$build"
+        tree="$build/horovod-$HOROVOD_VERSION"
+        sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$tree/CMakeLists.txt" "$tree/horovod/torch/CMakeLists.txt"
+        grep -q "CMAKE_CXX_STANDARD 17" "$tree/CMakeLists.txt" "$tree/horovod/torch/CMakeLists.txt"
+        rm -rf "$wheels.tmp"
+        start=$(date +%s)
+        PATH="$VENV/bin:$PATH" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+            HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=gloo MAKEFLAGS=-j$(nproc) \
+            "$VENV/bin/python" -m pip wheel -q --no-build-isolation --no-deps -w "$wheels.tmp" "$tree"
+        mv "$wheels.tmp" "$wheels"
+        echo "$(( $(date +%s) - start ))" > "$wheels/build-seconds"
+        echo "install: Horovod built in $(cat "$wheels/build-seconds") s"
+        mkdir -p "$user_wheels" && cp "$wheels"/* "$user_wheels"/ || true
+        rm -rf "$build"
+    fi
+    "${pip[@]}" -q "$wheels"/horovod-*.whl
+fi
 echo "install: commhooks[$EXTRAS] (editable)"
 "${pip[@]}" -q -e ".[$EXTRAS]"
 

@@ -6,7 +6,7 @@ size, in this order, from:
 
 1. an already initialised process group (reused as is);
 2. torchrun / the deepspeed launcher: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-   ``LOCAL_WORLD_SIZE``;
+   ``LOCAL_WORLD_SIZE``; horovodrun: ``HOROVOD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``;
 3. Open MPI: ``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``;
 4. MPICH / Intel MPI: ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``;
 5. SLURM: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, and the tasks
@@ -15,7 +15,8 @@ size, in this order, from:
 The rendezvous address is ``MASTER_ADDR`` if set, else the first host of
 ``SLURM_JOB_NODELIST`` under SLURM, else 127.0.0.1 when every rank is on one
 node, else rank 0's host name sent by mpi4py.  The port is ``MASTER_PORT`` if
-set; else under MPI rank 0 picks a free port and mpi4py broadcasts it; under
+set; else under MPI rank 0 picks a free port and mpi4py broadcasts it (under
+horovodrun, once ``hvd.init()`` ran, Horovod broadcasts it); under
 SLURM without MPI it is derived from ``SLURM_JOB_ID`` (the same on every rank).
 The variables torch, Horovod and DeepSpeed read (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) are set
@@ -56,6 +57,7 @@ class Placement:
 # (source, rank, size, local rank, local size)
 _MPI_STYLE = (
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("horovod", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
     ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
 )
@@ -212,6 +214,27 @@ def _fill_rendezvous_with_mpi(p: Placement) -> None:
         p.master_port = port
 
 
+def _horovod_initialized() -> bool:
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return False
+    return hvd.is_initialized()
+
+
+def _fill_rendezvous_with_horovod(p: Placement) -> None:
+    """Under horovodrun (gloo), once hvd.init() ran: rank 0's host and free port, via hvd.broadcast_object."""
+    import horovod.torch as hvd
+
+    mine = (socket.gethostname(), _free_port()) if p.rank == 0 else None
+    # an explicit name: by default Horovod names the op after type(obj), which differs on the non-root ranks
+    host, port = hvd.broadcast_object(mine, root_rank=0, name="commhooks.rendezvous")
+    if p.master_addr is None:
+        p.master_addr = "127.0.0.1" if p.local_world_size == p.world_size else host
+    if p.master_port is None:
+        p.master_port = port
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
@@ -241,6 +264,8 @@ def init_distributed(backend: Optional[str] = None, timeout: float = 300.0) -> d
     if p.master_addr is None or p.master_port is None:
         if p.source in ("openmpi", "mpich"):
             _fill_rendezvous_with_mpi(p)
+        elif p.source == "horovod" and _horovod_initialized():
+            _fill_rendezvous_with_horovod(p)
         else:
             missing = [k for k, v in (("MASTER_ADDR", p.master_addr), ("MASTER_PORT", p.master_port)) if v is None]
             raise LaunchError(f"{p.source} environment without {' and '.join(missing)}: export it")

@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 -m commhooks.train --hook qsr --config configs/qsr_mnist1d.json
     deepspeed --num_gpus 2 --module commhooks.train --backend deepspeed --deepspeed_config configs/ds_ab_mnist1d.json
+    horovodrun -np 2 -H localhost:2 --gloo python -m commhooks.train --backend horovod --hook ab --config configs/ab_mnist1d.json
 
 Prints one summary line per run (rank 0) and, with ``--json-out``, writes it
 as JSON for ``commhooks table``.
@@ -38,7 +39,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="commhooks train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hook", choices=HOOKS, default="none", help="communication method (none = plain allreduce)")
     p.add_argument("--config", help="hook settings: JSON file (configs/...) with the fields of the hook's config")
-    p.add_argument("--backend", choices=("ddp", "deepspeed"), default="ddp", help="engine the hook plugs into")
+    p.add_argument("--backend", choices=("ddp", "deepspeed", "horovod"), default="ddp", help="engine the hook plugs into")
     p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
                    help="DeepSpeed JSON; its \"comm_hook\" section, if any, chooses the hook (--backend deepspeed)")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
@@ -138,12 +139,24 @@ def resolve_hook(args):
 
 def build_trainer(args, model, conf):
     """(train_step, state, micro_batch, accumulation) for the chosen engine; train_step takes micro-batches."""
+    micro, accumulation = args.batch_size, 1
+    backward = lambda loss: loss.backward()  # noqa: E731
     if args.backend == "ddp":
         net = wrap_ddp(model, local_buffers=conf is not None)
         optimizer = build_optimizer(args.optimizer, net.parameters(), args.lr, args.momentum, args.weight_decay)
         state = ddp_adapter.register(net, optimizer, conf)
-        forward, backward, step = net, lambda loss: loss.backward(), optimizer.step
-        micro, accumulation = args.batch_size, 1
+        forward, step = net, optimizer.step
+    elif args.backend == "horovod":
+        import horovod.torch as hvd
+
+        from . import horovod as hvd_adapter
+
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = hvd_adapter.DistributedOptimizer(
+            build_optimizer(args.optimizer, model.parameters(), args.lr, args.momentum, args.weight_decay),
+            named_parameters=model.named_parameters(), hook=conf, model=model)
+        state = getattr(optimizer, "comm_hook_state", None)  # None: Horovod's own allreduce, unmetered
+        forward, step = model, optimizer.step
     else:
         from . import deepspeed as ds_adapter
 
@@ -159,7 +172,7 @@ def build_trainer(args, model, conf):
 
     def train_step(batches):
         losses = []
-        if args.backend == "ddp":
+        if args.backend != "deepspeed":
             optimizer.zero_grad(set_to_none=True)
         for x, y in batches:
             loss = F.cross_entropy(forward(x), y)
@@ -167,7 +180,7 @@ def build_trainer(args, model, conf):
             if args.backend == "deepspeed":
                 step()  # DeepSpeed counts micro-steps; the boundary one updates
             losses.append(loss.item())
-        if args.backend == "ddp":
+        if args.backend != "deepspeed":
             step()
         scheduler.step()
         return sum(losses) / len(losses), scheduler.get_last_lr()[0]
@@ -177,8 +190,22 @@ def build_trainer(args, model, conf):
 
 def run(args: argparse.Namespace) -> dict:
     conf = resolve_hook(args)
-    info = init_distributed()
-    rank, world = info["rank"], info["world_size"]
+    if args.backend == "horovod":
+        from . import horovod as hvd_adapter
+
+        hvd = hvd_adapter.init(conf)  # static process sets for the AB groups
+        rank, world = hvd.rank(), hvd.size()
+        mean_over_ranks = lambda t: hvd.allreduce(t, op=hvd.Average, name="metric")  # noqa: E731
+        finish = hvd.shutdown
+    else:
+        info = init_distributed()
+        rank, world = info["rank"], info["world_size"]
+
+        def mean_over_ranks(t):
+            dist.all_reduce(t)
+            return t / world
+
+        finish = shutdown
     torch.manual_seed(args.seed)
     data = load_mnist1d(Path(args.cache_dir), seed=args.data_seed)
     model = build_model(args.model)
@@ -204,8 +231,7 @@ def run(args: argparse.Namespace) -> dict:
     if progress is not None:
         progress.close()
 
-    tail = torch.tensor([sum(losses[-50:]) / len(losses[-50:])])
-    dist.all_reduce(tail)  # metric only, not hook traffic
+    tail = mean_over_ranks(torch.tensor([sum(losses[-50:]) / len(losses[-50:])]))  # metric only, not hook traffic
     summary = {
         "label": args.label or args.hook,
         "hook": args.hook,
@@ -213,9 +239,9 @@ def run(args: argparse.Namespace) -> dict:
         "ranks": world,
         "steps": args.steps,
         "test_acc": round(accuracy(model, data["x_test"], data["y_test"]), 4),
-        "train_loss": round(tail.item() / world, 4),
+        "train_loss": round(tail.item(), 4),
         "backend": args.backend,
-        "bytes_per_rank": None if state is None else state.meter.bytes(),  # None: DeepSpeed's own, unmetered
+        "bytes_per_rank": None if state is None else state.meter.bytes(),  # None: the engine's own, unmetered
         "syncs": getattr(state, "syncs", args.steps),
         "wall_s": round(wall, 2),
         "config": cfg.to_dict(conf),
@@ -229,7 +255,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.json_out:
             Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json_out).write_text(json.dumps(summary, indent=2) + "\n")
-    shutdown()
+    finish()
     return summary
 
 

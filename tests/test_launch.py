@@ -210,3 +210,9 @@ def test_launcher_deepspeed():
     proc = run_script(["bash", "launchers/deepspeed.sh", *SHORT], env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("[commhooks] ab: test_acc=") == 1 and "ranks=2" in proc.stdout
+
+
+def test_launcher_horovodrun():
+    proc = run_script(["bash", "launchers/horovodrun.sh", *SHORT], clean_env())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("[commhooks] ab: test_acc=") == 1 and "ranks=2" in proc.stdout

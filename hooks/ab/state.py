@@ -63,16 +63,19 @@ class ABState:
         ddp_model.register_comm_hook(state, commhooks.ab_hook)
 
     Keyword arguments are the fields of :class:`~commhooks.config.ABConfig`;
-    ``config=`` takes a config object, dict or JSON path instead.  Built
+    ``config=`` takes a config object, dict or JSON path instead.
+    ``named_parameters`` replaces the model where only those are at hand
+    (Horovod); without the model, floating buffers are not averaged.  Built
     collectively: every rank constructs it at the same point (it creates the
     groups and, when ``warmup_steps == 0``, the first basis).
     """
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Optional[torch.nn.Module],
         optimizer: torch.optim.Optimizer,
         *,
+        named_parameters=None,
         process_group=None,
         comm: Optional[Comm] = None,
         config=None,
@@ -87,7 +90,10 @@ class ABState:
         self.engine_model = model
         self.model = getattr(model, "module", model)
         self.optimizer = optimizer
-        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if named_parameters is None and self.model is None:
+            raise ValueError("ABState needs the model or its named_parameters")
+        named = list(self.model.named_parameters() if named_parameters is None else named_parameters)
+        named = [(n, p) for n, p in named if p.requires_grad]
         self._name = {id(p): n for n, p in named}
         self._param = {n: p for n, p in named}
         self.candidates = self._compressible(named)  # validated before any collective

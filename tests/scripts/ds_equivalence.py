@@ -14,10 +14,8 @@ import json
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
+from common import SGD, ddp_train, mlp
 
-import commhooks
 import commhooks.deepspeed as ds_adapter
 from commhooks.config import ConfigError, load_config, to_dict
 from commhooks.launch import init_distributed, shutdown
@@ -38,12 +36,6 @@ if hook.kind == "ab":  # the shipped schedule is for 1200 steps: keep its settin
     hook.rank_cutoff, hook.min_compression_rate = 0.4, 0.0
 else:
     hook.warmup_steps, hook.h_base, hook.total_steps = 2, 3, args.steps
-SGD = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
-
-
-def model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
 
 
 def batch(step, micro=0, size=16):
@@ -52,24 +44,11 @@ def batch(step, micro=0, size=16):
 
 
 def ddp_run(conf, micro_batches):
-    net = DDP(model(), forward_sync_buffers=False)
-    opt = torch.optim.SGD(net.parameters(), **SGD)
-    state = commhooks.ddp.register(net, opt, conf)
-    for step in range(args.steps):
-        opt.zero_grad()
-        for m in range(micro_batches):
-            x, y = batch(step, m, 16 // micro_batches)
-            if m < micro_batches - 1:
-                with net.no_sync():  # forward and backward inside: DDP decides in forward whether to sync
-                    (F.cross_entropy(net(x), y) / micro_batches).backward()
-            else:
-                (F.cross_entropy(net(x), y) / micro_batches).backward()
-        opt.step()
-    return {n: t.detach().clone() for n, t in net.module.named_parameters()}, state.meter.bytes(), state.step
+    return ddp_train(conf, args.steps, lambda step, m: batch(step, m, 16 // micro_batches), micro_batches)
 
 
 def ds_run(conf, micro_batches, zero_stage=0):
-    m = model()
+    m = mlp()
     opt = torch.optim.SGD(m.parameters(), **SGD)
     cfg = {**copy.deepcopy(base), "train_micro_batch_size_per_gpu": 16 // micro_batches,
            "gradient_accumulation_steps": micro_batches, "gradient_clipping": 0.0,

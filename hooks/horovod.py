@@ -1,0 +1,182 @@
+"""Horovod adapter: both hooks behind the usual ``DistributedOptimizer`` line.
+
+One changed line for a Horovod user::
+
+    commhooks.horovod.init(config)                     # was: hvd.init()  (adds the AB process sets)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = commhooks.horovod.DistributedOptimizer(   # was: hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(), hook="configs/ab_mnist1d.json")
+
+Why a wrapper of our own: ``hvd.DistributedOptimizer`` always starts an
+allreduce during backward (``skip_synchronize()`` only skips the wait), so
+local SGD cannot ride on it.  This one keeps its contract: the same
+``backward_passes_per_step`` meaning (gradients are *summed* over the passes,
+then reduced), ``synchronize()``, ``skip_synchronize()`` for gradient
+clipping, ``zero_grad()`` refusing to run with reductions in flight.  As in
+Horovod, each parameter's reduction starts from a hook as soon as its
+gradient is accumulated (``register_post_accumulate_grad_hook``), so
+communication overlaps the rest of the backward pass; ``step()`` waits for
+them in an optimizer pre-hook.  QSR starts none (local steps) and averages
+the parameters after the H-th step; AB reduces each gradient as the phase
+says, inside the rank's AB group = a Horovod process set.
+
+Without a hook (``hook=None`` or ``{"type": "none"}``) it returns Horovod's
+own ``hvd.DistributedOptimizer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from .config import load_config
+
+
+def process_set_ranks(config, world_size: int, local_world_size: int):
+    """The rank lists of the process sets an AB config needs (groups of >= 2 ranks; [] otherwise)."""
+    conf = load_config(config)
+    if conf is None or conf.kind != "ab":
+        return []
+    from .ab.groups import make_groups
+
+    groups, _ = make_groups(conf, world_size, local_world_size)
+    return [list(g) for g in groups if 1 < len(g) < world_size]
+
+
+def init(config=None, **hvd_kwargs):
+    """``hvd.init()`` with static process sets for the AB groups of ``config`` (identical on every rank)."""
+    import horovod.torch as hvd
+
+    from .launch import discover
+
+    placement = discover()
+    sets = []
+    if placement is not None and "process_sets" not in hvd_kwargs:
+        sets = process_set_ranks(config, placement.world_size, placement.local_world_size)
+    if sets:
+        hvd_kwargs["process_sets"] = [hvd.ProcessSet(r) for r in sets]
+    hvd.init(**hvd_kwargs)
+    return hvd
+
+
+class _HookedOptimizer:
+    """Methods of the wrapper; :func:`DistributedOptimizer` mixes them into a subclass of your optimizer's class.
+
+    The wrapper shares the original optimizer's ``param_groups`` and ``state``
+    (it is a shallow copy), so lr schedulers, checkpoints and step hooks see
+    one optimizer.  It does not override ``step()``: torch already wraps the
+    parent's ``step`` with the step-hook machinery, and a second wrapper
+    would run every hook twice.
+    """
+
+    def _commhooks_init(self, named_parameters, conf, backward_passes_per_step, model):
+        from .comm.horovod_comm import HorovodComm
+
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        named = list(named_parameters) if named_parameters is not None else [
+            (f"param.{i}.{j}", p) for i, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])
+        ]
+        self.backward_passes_per_step = backward_passes_per_step
+        self._params = [p for _, p in named if p.requires_grad]
+        self._delay = {p: backward_passes_per_step for p in self._params}
+        self._works = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        comm = HorovodComm()
+        if conf.kind == "qsr":
+            from .qsr import QSRState
+
+            self.comm_hook_state = QSRState(self, model=model, comm=comm, config=conf)
+        else:
+            from .ab import ABState
+
+            self.comm_hook_state = ABState(model, self, named_parameters=named, comm=comm, config=conf)
+        self._reduces = hasattr(self.comm_hook_state, "reduce_gradients")
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._params] if self._reduces else []
+        self.register_step_pre_hook(lambda opt, args, kwargs: self._before_step())
+        self.register_step_post_hook(lambda opt, args, kwargs: setattr(self, "_synchronized", False))
+
+    def _start(self, p):
+        if p.grad is None:  # an unused parameter: the other ranks may have a gradient for it
+            p.grad = torch.zeros_like(p)
+        self._works[p] = self.comm_hook_state.reduce_gradients([p.grad], [p])
+
+    def _grad_ready(self, p):
+        if p in self._works:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call to step(). "
+                "Increase backward_passes_per_step to accumulate gradients locally."
+            )
+        self._delay[p] -= 1
+        if self._delay[p] == 0:
+            self._start(p)
+
+    def synchronize(self):
+        """Wait for every gradient reduction (starting those whose hooks did not fire)."""
+        if self._reduces:
+            for p in self._params:
+                if p not in self._works:
+                    self._start(p)
+            for work in self._works.values():
+                work.wait()
+            self._works.clear()
+        for p in self._params:
+            self._delay[p] = self.backward_passes_per_step
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``optimizer.synchronize(); clip...; with optimizer.skip_synchronize(): optimizer.step()``."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def _before_step(self):
+        if self._should_synchronize and not self._synchronized:
+            self.synchronize()
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._works:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(): the gradients are still being reduced"
+            )
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters=None,
+    hook=None,
+    backward_passes_per_step: int = 1,
+    model: Optional[torch.nn.Module] = None,
+    **horovod_kwargs,
+):
+    """Horovod's ``DistributedOptimizer`` with a commhooks algorithm deciding the communication.
+
+    ``hook``: an AB or QSR config object, dict or JSON path.  ``model``
+    (optional) lets QSR/AB average floating buffers (BatchNorm) at syncs.
+    The algorithm's state is ``optimizer.comm_hook_state`` (meter,
+    ``state_dict()``).  Build it on every rank at the same point: AB creates
+    its process sets collectively.
+    """
+    import horovod.torch as hvd
+
+    conf = load_config(hook)
+    if conf is None:
+        return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters,
+                                        backward_passes_per_step=backward_passes_per_step, **horovod_kwargs)
+    if horovod_kwargs:
+        raise TypeError(f"with a hook, these hvd.DistributedOptimizer arguments are not supported: {sorted(horovod_kwargs)}")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), {
+        k: v for k, v in _HookedOptimizer.__dict__.items() if not k.startswith("__") or k == "__doc__"
+    })
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)  # shares param_groups, state, defaults and step hooks
+    wrapped._commhooks_init(named_parameters, conf, backward_passes_per_step, model)
+    return wrapped

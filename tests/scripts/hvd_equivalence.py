@@ -1,0 +1,91 @@
+"""Horovod adapter vs DDP adapter, same model / seed / data / hook; run by horovodrun.
+
+    horovodrun -np 2 -H localhost:2 --gloo python tests/scripts/hvd_equivalence.py --out DIR
+    horovodrun -np 4 -H localhost:4 --gloo python tests/scripts/hvd_equivalence.py --out DIR --group-size 2
+
+Each rank writes DIR/rank<r>.pt: for every hook variant the parameters and meter bytes of
+both runs, backward_passes_per_step=2 vs DDP no_sync (summed, as Horovod sums), the
+ConfigError both adapters give for a bad value, and whether the process sets were static.
+"""
+
+import argparse
+
+import horovod.torch as hvd
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from common import SGD, ddp_train, mlp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commhooks
+import commhooks.horovod
+from commhooks.config import ConfigError, load_config
+from commhooks.launch import init_distributed
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--steps", type=int, default=12)
+p.add_argument("--group-size", type=int, default=1)
+args = p.parse_args()
+
+AB = {"type": "ab", "warmup_steps": 3, "sync_period": 5, "full_rank_steps": 1, "rank_cutoff": 0.4,
+      "min_compression_rate": 0.0}
+VARIANTS = {
+    "qsr": {"type": "qsr", "h_base": 3, "warmup_steps": 2, "init_h": 1},
+    "ab-only-b": {**AB, "mode": "only-b"},
+    "ab-groups": {**AB, "mode": "groups", "group_size": args.group_size},
+    "ab-groups-stale": {**AB, "mode": "groups", "group_size": args.group_size, "sync": "with-stale"},
+}
+commhooks.horovod.init(VARIANTS["ab-groups"])  # static process sets for the groups (when they have >= 2 ranks)
+info = init_distributed(timeout=60)  # torch.distributed beside Horovod, for the DDP side
+rank = hvd.rank()
+assert info["rank"] == rank and info["world_size"] == hvd.size() and info["source"] == "horovod"
+
+
+def batch(step, micro=0):
+    g = torch.Generator().manual_seed(7919 * step + 31 * micro + rank)
+    return torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def ddp_run(conf, passes):
+    return ddp_train(conf, args.steps, batch, passes, mean_over_passes=False)  # Horovod sums the passes
+
+
+def hvd_run(conf, passes):
+    m = mlp()
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    opt = commhooks.horovod.DistributedOptimizer(torch.optim.SGD(m.parameters(), **SGD), named_parameters=m.named_parameters(),
+                                                 hook=conf, backward_passes_per_step=passes)
+    assert isinstance(opt, torch.optim.SGD)
+    for step in range(args.steps):
+        opt.zero_grad()
+        for mb in range(passes):
+            x, y = batch(step, mb)
+            F.cross_entropy(m(x), y).backward()
+        opt.step()
+    state = opt.comm_hook_state
+    return {n: t.detach().clone() for n, t in m.named_parameters()}, state.meter.bytes(), state.step
+
+
+result = {"world": hvd.size(), "runs": {}}
+for name, conf in VARIANTS.items():
+    result["runs"][name] = {"ddp": ddp_run(conf, 1), "hvd": hvd_run(conf, 1)}
+result["passes2"] = {"ddp": ddp_run(VARIANTS["ab-groups"], 2), "hvd": hvd_run(VARIANTS["ab-groups"], 2)}
+
+bad = {"type": "ab", "rank_cutoff": 1.5}
+errors = {}
+for adapter, build in (
+    ("ddp", lambda: commhooks.ddp.register(DDP(mlp()), torch.optim.SGD(mlp().parameters(), lr=0.1), bad)),
+    ("hvd", lambda: commhooks.horovod.DistributedOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), hook=bad)),
+):
+    try:
+        build()
+    except ConfigError as exc:
+        errors[adapter] = str(exc)
+result["errors"] = errors
+plain = commhooks.horovod.DistributedOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), hook=None)
+result["plain_is_horovod"] = hasattr(plain, "_allreduce_grad_async")  # Horovod's own wrapper
+torch.save(result, f"{args.out}/rank{rank}.pt")
+dist.barrier()
+dist.destroy_process_group()
+hvd.shutdown()
