@@ -136,6 +136,15 @@ class ABConfig:
     ``sync_period``, ``full_rank_steps`` and ``rebound_steps`` with the
     length of your run (the paper: warm-up ~10 % of training, a sync about
     every 1.7 epochs, 8 % of each period at full rank).
+
+    ``sync_rule="qsr"`` lets the groups sync by the Quadratic Synchronisation
+    Rule instead of every ``sync_period`` steps: each AB phase after the
+    first lasts ``H - full_rank_steps`` steps with
+    ``H = max(h_base, floor((alpha / lr) ** power))`` from the lr of the
+    phase's first step (capped at ``total_steps``).  ``h_base`` defaults to
+    ``sync_period``, so ``alpha = 0`` is plain AB.  ``local_group_steps``
+    also drops the intra-group traffic of AB steps: each rank trains its
+    factor on its own gradients until the group sync (QSR inside the group).
     """
 
     kind = "ab"
@@ -151,6 +160,12 @@ class ABConfig:
     min_compression_rate: float = 2.0
     truncate_first: bool = False
     rebound_steps: int = 0
+    sync_rule: str = "fixed"
+    alpha: float = 0.0
+    h_base: Optional[int] = None
+    power: float = 2.0
+    total_steps: Optional[int] = None
+    local_group_steps: bool = False
 
     def __post_init__(self):
         p = "ab."
@@ -177,6 +192,22 @@ class ABConfig:
         self.min_compression_rate = check_number(p + "min_compression_rate", self.min_compression_rate, minimum=0.0)
         check_bool(p + "truncate_first", self.truncate_first)
         check_int(p + "rebound_steps", self.rebound_steps, minimum=0)
+        check_choice(p + "sync_rule", self.sync_rule, ("fixed", "qsr"))
+        self.alpha = check_number(p + "alpha", self.alpha, minimum=0.0)
+        check_int(p + "h_base", self.h_base, minimum=1, allow_none=True)
+        self.power = check_number(p + "power", self.power, minimum=0.0, min_inclusive=False)
+        check_int(p + "total_steps", self.total_steps, minimum=1, allow_none=True)
+        check_bool(p + "local_group_steps", self.local_group_steps)
+        if self.sync_rule == "qsr" and self.period_base <= self.full_rank_steps:
+            raise ConfigError(
+                f"ab.h_base must be > ab.full_rank_steps with sync_rule 'qsr', got h_base={self.period_base}, "
+                f"full_rank_steps={self.full_rank_steps}"
+            )
+
+    @property
+    def period_base(self) -> int:
+        """Smallest sync-to-sync period under ``sync_rule="qsr"`` (``h_base``, default ``sync_period``)."""
+        return self.sync_period if self.h_base is None else self.h_base
 
 
 SCHEMAS = {"qsr": QSRConfig, "ab": ABConfig}

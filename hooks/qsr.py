@@ -55,6 +55,19 @@ from .averaging import average_, buffers_broadcast_each_forward, float_buffers, 
 from .comm import Comm
 from .config import ConfigError, QSRConfig, from_dict, load_config
 
+NEVER = 2**62  # a period that never ends (lr 0 and no total_steps)
+
+
+def quadratic_rule(lr: float, alpha: float, h_base: int, power: float = 2.0) -> float:
+    """``max(h_base, floor((alpha / lr) ** power))``; ``alpha = 0`` gives ``h_base``, ``lr <= 0`` infinity."""
+    if alpha == 0.0:
+        return h_base
+    if lr <= 0.0:
+        return math.inf  # a zero lr makes local steps free of drift
+    ratio = (alpha / lr) ** power
+    return max(h_base, math.floor(ratio) if math.isfinite(ratio) else math.inf)
+
+
 def qsr_period(step: int, lr: float, config: QSRConfig) -> int:
     """The synchronisation period for the round that starts at ``step``.
 
@@ -63,19 +76,10 @@ def qsr_period(step: int, lr: float, config: QSRConfig) -> int:
     """
     if step < config.warmup_steps:
         return config.warmup_h
-    if config.alpha == 0.0:
-        rule = config.h_base
-    elif lr <= 0.0:
-        rule = math.inf  # a zero lr makes local steps free of drift
-    else:
-        ratio = (config.alpha / lr) ** config.power
-        rule = math.floor(ratio) if math.isfinite(ratio) else math.inf
-    h = max(config.h_base, rule)
+    h = quadratic_rule(lr, config.alpha, config.h_base, config.power)
     if config.total_steps is not None:
         h = min(config.total_steps - step, h)
-    if not math.isfinite(h):
-        h = 2**62  # no total_steps and lr == 0: never sync again
-    return max(1, int(h))
+    return max(1, int(min(h, NEVER)))
 
 
 def sync_tensors(

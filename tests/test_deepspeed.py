@@ -43,7 +43,7 @@ def test_deepspeed_matches_ddp(launcher, config, tmp_path):
             assert bytes_ddp == bytes_ds > 0, (name, bytes_ddp, bytes_ds)  # the meter reads the same payload
             assert steps_ddp == steps_ds == 14
         if r["kind"] == "ab":
-            assert set(r["runs"]) == {"base", "only-b", "groups-stale"}
+            assert set(r["runs"]) == {"base", "only-b", "groups-stale", "ab-x-qsr"}
         (w_ns, b_ns, s_ns), (w_gas, b_gas, s_gas) = r["accumulation"]["ddp_no_sync"], r["accumulation"]["ds_gas2"]
         assert s_ns == s_gas == 14, "gradient accumulation must count optimizer steps"
         assert_same(w_ns, w_gas, "gradient_accumulation_steps=2 vs DDP no_sync")

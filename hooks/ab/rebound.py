@@ -32,6 +32,7 @@ class LRRebound:
             raise ValueError(f"rebound_steps must be >= 0, got {self.rebound_steps}")
         self.floor_lr = floor_lr
         self._scheduled: List[float] = [g["lr"] for g in self.optimizer.param_groups]
+        state.scheduled_lr = lambda: self._scheduled[0]  # the QSR sync rule reads the lr without the ramp
         self._apply()
 
     def factor(self) -> float:

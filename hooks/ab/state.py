@@ -39,6 +39,7 @@ Put the classifier head and embeddings in ``full_rank`` if accuracy drops.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 from typing import Dict, List, Optional, Tuple
@@ -50,7 +51,7 @@ from ..comm import Comm, Work
 from ..config import ABConfig, ConfigError, from_dict, load_config
 from .groups import make_groups
 from .lowrank import Basis, basis_from_svd, choose_rank, compression_ratio, svd, tall_view
-from .schedule import AB, ENTER, FULL, SYNC, WARMUP, events_before, next_phase
+from .schedule import AB, ENTER, SYNC, Clock, ab_phase_length, apply, events_before, needs_length
 
 
 class ABState:
@@ -111,14 +112,16 @@ class ABState:
         self.sync_buffers = not buffers_broadcast_each_forward(model)
 
         self.step = 0
-        self.phase = WARMUP
-        self.entered_at = -1
-        self.entries = 0
+        self.clock = Clock()
         self.syncs = 0
         self.last_switch: Optional[int] = None
         self.bases: Dict[str, Basis] = {}  # compressed weights of the current AB phase
         self.ranks: Dict[str, Optional[int]] = {}  # rank per candidate at the last entry (None: kept dense)
-        self._handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: self.end_step())
+        self.scheduled_lr = lambda: float(optimizer.param_groups[0]["lr"])  # LRRebound points it past its ramp
+        self._handles = [
+            optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.begin_step()),
+            optimizer.register_step_post_hook(lambda opt, args, kwargs: self.end_step()),
+        ]
         self._advance()
 
     # ------------------------------------------------------------------ set-up
@@ -138,20 +141,28 @@ class ABState:
     def meter(self):
         return self.comm.meter
 
+    @property
+    def phase(self) -> str:
+        return self.clock.phase
+
     # --------------------------------------------------------------- schedule
+    def begin_step(self) -> None:
+        """Before each optimizer step: under ``sync_rule="qsr"``, size an AB phase from the lr it starts with."""
+        if needs_length(self.clock, self.config):
+            self.clock.phase_end = self.step + ab_phase_length(self.step, self.scheduled_lr(), self.config)
+
     def end_step(self) -> None:
         """After each optimizer step: count it and run the transitions due before the next one."""
         self.step += 1
         self._advance()
 
     def _advance(self) -> None:
-        for event in events_before(self.step, self.phase, self.entered_at, self.config):
+        for event in events_before(self.step, self.clock, self.config):
             if event == SYNC:
                 self._sync()
             elif event == ENTER:
                 self._enter()
-                self.entered_at = self.step
-            self.phase = next_phase(event)
+            apply(event, self.step, self.clock)
             self.last_switch = self.step
 
     # ------------------------------------------------------------- gradients
@@ -164,6 +175,13 @@ class ABState:
         if self.phase != AB:
             tensors = [flat] if flat is not None else grads
             return self.comm.allreduce(tensors, op="mean", async_op=True, tag="full-grad")
+        if self.config.local_group_steps:  # QSR inside the group: project locally, send nothing
+            for g, p in zip(grads, params):
+                basis = self.bases.get(self._name.get(id(p), ""))
+                if basis is not None:
+                    gm, _ = tall_view(g)
+                    gm.copy_(basis.a_update(basis.a_payload(gm)) if self.role == "A" else basis.b_update(basis.b_payload(gm)))
+            return Work(lambda: grads)
         payloads, expand = [], []
         for g, p in zip(grads, params):
             basis = self.bases.get(self._name.get(id(p), ""))
@@ -188,7 +206,7 @@ class ABState:
     def _enter(self) -> None:
         """Compute the bases (rank agreed as the MAX over ranks), set W = A B, clear the factors' state."""
         cfg = self.config
-        keep_residual = self.entries == 0 and not cfg.truncate_first
+        keep_residual = self.clock.entries == 0 and not cfg.truncate_first
         mats = [tall_view(p.data)[0] for _, p in self.candidates]
         svds = [svd(m) for m in mats]
         local_k = [choose_rank(s, cfg.rank_cutoff) for _, s, _ in svds]
@@ -210,7 +228,6 @@ class ABState:
             else:
                 mat.copy_(basis.a @ basis.b)  # the dropped singular values leave the model
         clear_optimizer_state(self.optimizer, [self._param[n] for n in self.bases])
-        self.entries += 1
 
     def _agree_on_bases(self) -> None:
         """Check the factors are identical on every rank; broadcast rank 0's where they are not."""
@@ -293,9 +310,7 @@ class ABState:
     def state_dict(self) -> dict:
         return {
             "step": self.step,
-            "phase": self.phase,
-            "entered_at": self.entered_at,
-            "entries": self.entries,
+            "clock": dataclasses.asdict(self.clock),
             "syncs": self.syncs,
             "last_switch": self.last_switch,
             "ranks": dict(self.ranks),
@@ -311,16 +326,15 @@ class ABState:
         if unknown:
             raise ValueError(f"checkpoint has bases for parameters this model lacks: {unknown}")
         self.step = int(state["step"])
-        self.phase = state["phase"]
-        self.entered_at = int(state["entered_at"])
-        self.entries = int(state["entries"])
+        self.clock = Clock(**state["clock"])
         self.syncs = int(state["syncs"])
         self.last_switch = state["last_switch"]
         self.ranks = dict(state["ranks"])
         self.bases = {n: Basis(**b) for n, b in state["bases"].items()}
 
     def remove(self) -> None:
-        self._handle.remove()
+        for h in self._handles:
+            h.remove()
 
     def __repr__(self) -> str:
         return f"ABState(step={self.step}, phase={self.phase}, role={self.role}, group={self.group.ranks}, syncs={self.syncs})"

@@ -70,6 +70,7 @@ variants = {"base": hook}
 if hook.kind == "ab":
     variants["only-b"] = load_config({**to_dict(hook), "mode": "only-b"})
     variants["groups-stale"] = load_config({**to_dict(hook), "mode": "groups", "group_size": 1, "sync": "with-stale"})
+    variants["ab-x-qsr"] = load_config({**to_dict(hook), "sync_rule": "qsr", "alpha": 0.1, "h_base": 3})
 for name, conf in variants.items():
     result["runs"][name] = {"ddp": ddp_run(conf, 1), "ds": ds_run(conf, 1)}
 result["accumulation"] = {"ddp_no_sync": ddp_run(hook, 2), "ds_gas2": ds_run(hook, 2)}

@@ -35,6 +35,7 @@ VARIANTS = {
     "ab-only-b": {**AB, "mode": "only-b"},
     "ab-groups": {**AB, "mode": "groups", "group_size": args.group_size},
     "ab-groups-stale": {**AB, "mode": "groups", "group_size": args.group_size, "sync": "with-stale"},
+    "ab-x-qsr": {**AB, "mode": "groups", "group_size": args.group_size, "sync_rule": "qsr", "alpha": 0.1, "h_base": 3},
 }
 commhooks.horovod.init(VARIANTS["ab-groups"])  # static process sets for the groups (when they have >= 2 ranks)
 info = init_distributed(timeout=60)  # torch.distributed beside Horovod, for the DDP side
