@@ -7,20 +7,25 @@ import sys
 from typing import Optional, Sequence
 
 
+def nbytes(run: dict) -> int:
+    """The meter's bytes, or what reached torch.distributed for PyTorch's own hooks."""
+    return run["bytes_per_rank"] if run["bytes_per_rank"] is not None else (run.get("payload_bytes_per_rank") or 0)
+
+
 def table(paths: Sequence[str]) -> str:
     """A markdown table of run summaries (JSON files from ``train --json-out``), first row = baseline."""
     runs = [json.load(open(p)) for p in paths]
     if not runs:
         return "no runs"
-    base = runs[0]["bytes_per_rank"] or 1
+    base = runs[0]["bytes_per_rank"] or runs[0].get("payload_bytes_per_rank") or 1
     lines = [
         "| run | test acc | train loss | bytes/rank | vs first | syncs | steps | wall |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         lines.append(
-            f"| {r['label']} | {r['test_acc']:.4f} | {r['train_loss']:.4f} | {r['bytes_per_rank'] / 1e6:.2f} MB "
-            f"| {r['bytes_per_rank'] / base:.3f} | {r['syncs']} | {r['steps']} | {r['wall_s']:.1f} s |"
+            f"| {r['label']} | {r['test_acc']:.4f} | {r['train_loss']:.4f} | {nbytes(r) / 1e6:.2f} MB "
+            f"| {nbytes(r) / base:.3f} | {r['syncs']} | {r['steps']} | {r['wall_s']:.1f} s |"
         )
     return "\n".join(lines)
 
@@ -30,6 +35,7 @@ USAGE = """usage: commhooks <command> [options]
 commands:
   train   train MNIST-1D with a hook; start it under a launcher, e.g.
           torchrun --standalone --nproc_per_node 2 -m commhooks.train --hook qsr
+  bench   run every method side by side (network namespaces + tc when root), see `commhooks bench -h`
   table   print a markdown table of summaries written by `train --json-out`
 """
 
@@ -44,6 +50,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .train import main as train_main
 
         return train_main(rest)
+    if command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(rest)
     if command == "table":
         print(table(rest))
         return 0

@@ -28,16 +28,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import config as cfg
 from . import ddp as ddp_adapter
 from .ab import LRRebound
+from .anchors import ANCHORS, register_anchor
 from .data import load_mnist1d, rank_batches
 from .launch import LaunchError, init_distributed, shutdown
+from .measure import PayloadCounter, iface_bytes
 from .models import build_model
 
-HOOKS = ("none", "qsr", "ab")
+HOOKS = ("none", "qsr", "ab") + ANCHORS
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="commhooks train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hook", choices=HOOKS, default="none", help="communication method (none = plain allreduce)")
+    p.add_argument("--hook", choices=HOOKS, default="none",
+                   help="communication method: none = plain allreduce; qsr, ab = commhooks; "
+                        "fp16, powersgd, local-sgd, compute-only = PyTorch's own, for comparison (DDP only)")
     p.add_argument("--config", help="hook settings: JSON file (configs/...) with the fields of the hook's config")
     p.add_argument("--backend", choices=("ddp", "deepspeed", "horovod"), default="ddp", help="engine the hook plugs into")
     p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
@@ -54,12 +58,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-seed", type=int, default=42, help="seed of mnist1d.make_dataset")
     p.add_argument("--cache-dir", default=os.environ.get("COMMHOOKS_CACHE", ".cache"))
-    p.add_argument("--json-out", help="write the summary as JSON here (rank 0)")
+    p.add_argument("--json-out", help="write the summary as JSON here (rank 0; with {rank} in the path: every rank)")
     p.add_argument("--label", help="name of the run in the summary (default: the hook)")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="--hook powersgd: matrix approximation rank")
+    p.add_argument("--local-sgd-period", type=int, default=8, help="--hook local-sgd: PeriodicModelAverager period")
+    p.add_argument("--anchor-start", type=int, default=50,
+                   help="--hook powersgd / local-sgd: plain allreduce steps first (as the lr warm-up)")
+    p.add_argument("--wire-iface", default=os.environ.get("COMMHOOKS_WIRE_IFACE"),
+                   help="network interface whose tx/rx counters to report (the benchmark's veth)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1:
         p.error("--steps and --batch-size must be >= 1")
+    if args.hook in ANCHORS and args.backend != "ddp":
+        p.error(f"--hook {args.hook} is PyTorch's own DDP hook: use --backend ddp")
     return args
 
 
@@ -92,7 +104,7 @@ def wrap_ddp(model, local_buffers: bool) -> DDP:
 
 def hook_config(args):
     """The hook's config: the JSON file if given, else defaults; total_steps filled from --steps."""
-    if args.hook == "none":
+    if args.hook == "none" or args.hook in ANCHORS:
         return None
     conf = cfg.load_config(args.config, kind=args.hook) if args.config else cfg.from_dict({}, kind=args.hook)
     if getattr(conf, "total_steps", "absent") is None:
@@ -144,7 +156,10 @@ def build_trainer(args, model, conf):
     if args.backend == "ddp":
         net = wrap_ddp(model, local_buffers=conf is not None)
         optimizer = build_optimizer(args.optimizer, net.parameters(), args.lr, args.momentum, args.weight_decay)
-        state = ddp_adapter.register(net, optimizer, conf)
+        if args.hook in ANCHORS:
+            state = register_anchor(args.hook, net, optimizer, args.powersgd_rank, args.local_sgd_period, args.anchor_start)
+        else:
+            state = ddp_adapter.register(net, optimizer, conf)
         forward, step = net, optimizer.step
     elif args.backend == "horovod":
         import horovod.torch as hvd
@@ -188,24 +203,35 @@ def build_trainer(args, model, conf):
     return train_step, state, micro, accumulation
 
 
-def run(args: argparse.Namespace) -> dict:
-    conf = resolve_hook(args)
+def start(args):
+    """Bring up the backend's ranks: (rank, world, mean_over_ranks, finish)."""
     if args.backend == "horovod":
         from . import horovod as hvd_adapter
 
-        hvd = hvd_adapter.init(conf)  # static process sets for the AB groups
-        rank, world = hvd.rank(), hvd.size()
-        mean_over_ranks = lambda t: hvd.allreduce(t, op=hvd.Average, name="metric")  # noqa: E731
-        finish = hvd.shutdown
-    else:
-        info = init_distributed()
-        rank, world = info["rank"], info["world_size"]
+        hvd = hvd_adapter.init(resolve_hook(args))  # static process sets for the AB groups
+        return hvd.rank(), hvd.size(), (lambda t: hvd.allreduce(t, op=hvd.Average, name="metric")), hvd.shutdown
+    info = init_distributed()
+    world = info["world_size"]
 
-        def mean_over_ranks(t):
-            dist.all_reduce(t)
-            return t / world
+    def mean_over_ranks(t):
+        dist.all_reduce(t)
+        return t / world
 
-        finish = shutdown
+    return info["rank"], world, mean_over_ranks, shutdown
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Validate, start the ranks, train once, stop."""
+    conf = resolve_hook(args)  # validate before any collective: every rank raises the same error
+    rank, world, mean_over_ranks, finish = start(args)
+    summary = train_once(args, rank, world, mean_over_ranks, conf)
+    finish()
+    return summary
+
+
+def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks, conf=None) -> dict:
+    """One training run on ranks that are already up (the benchmark runs several in one process group)."""
+    conf = resolve_hook(args) if conf is None else conf
     torch.manual_seed(args.seed)
     data = load_mnist1d(Path(args.cache_dir), seed=args.data_seed)
     model = build_model(args.model)
@@ -218,16 +244,20 @@ def run(args: argparse.Namespace) -> dict:
         progress = tqdm(total=args.steps, desc=args.label or args.hook, leave=False, file=sys.stderr, mininterval=1.0)
     losses = []
     batches = rank_batches(len(data["y"]), micro, rank, world, args.seed)
+    wire_before = iface_bytes(args.wire_iface)
+    counter = PayloadCounter()
     start = time.perf_counter()
-    for step in range(args.steps):
-        chunk = [next(batches)[1] for _ in range(accumulation)]
-        loss, lr = train_step([(data["x"][idx], data["y"][idx]) for idx in chunk])
-        losses.append(loss)
-        if progress is not None:
-            progress.update(1)
-            if step % 50 == 0:
-                progress.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.4f}")
+    with counter:  # every torch.distributed collective of the run, whoever issues it
+        for step in range(args.steps):
+            chunk = [next(batches)[1] for _ in range(accumulation)]
+            loss, lr = train_step([(data["x"][idx], data["y"][idx]) for idx in chunk])
+            losses.append(loss)
+            if progress is not None:
+                progress.update(1)
+                if step % 50 == 0:
+                    progress.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.4f}")
     wall = time.perf_counter() - start
+    wire_after = iface_bytes(args.wire_iface)
     if progress is not None:
         progress.close()
 
@@ -241,8 +271,12 @@ def run(args: argparse.Namespace) -> dict:
         "test_acc": round(accuracy(model, data["x_test"], data["y_test"]), 4),
         "train_loss": round(tail.item(), 4),
         "backend": args.backend,
-        "bytes_per_rank": None if state is None else state.meter.bytes(),  # None: the engine's own, unmetered
-        "syncs": getattr(state, "syncs", args.steps),
+        "bytes_per_rank": state.meter.bytes() if hasattr(state, "meter") else None,  # commhooks' meter
+        # what reached torch.distributed (all methods alike; DeepSpeed's and Horovod's own collectives not included)
+        "payload_bytes_per_rank": counter.bytes if args.backend != "horovod" else None,
+        "wire_bytes_per_rank": None if wire_before is None else {k: wire_after[k] - wire_before[k] for k in wire_before},
+        "step_ms": round(1000 * wall / args.steps, 3),
+        "syncs": getattr(state, "syncs", None if args.hook in ANCHORS else args.steps),
         "wall_s": round(wall, 2),
         "config": cfg.to_dict(conf),
     }
@@ -252,10 +286,10 @@ def run(args: argparse.Namespace) -> dict:
         if hasattr(state, "format_report"):
             print(state.format_report(), flush=True)
         print(format_summary(summary), flush=True)
-        if args.json_out:
-            Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json_out).write_text(json.dumps(summary, indent=2) + "\n")
-    finish()
+    if args.json_out and (rank == 0 or "{rank}" in args.json_out):  # "{rank}": one file per rank
+        path = Path(args.json_out.format(rank=rank))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 

@@ -1,0 +1,347 @@
+"""``commhooks bench``: every method side by side on a constrained network.
+
+    commhooks bench                          # all methods, 2 ranks, 1200 steps, unlimited / 1 Gbit/s / 100 Mbit/s
+    commhooks bench --quick                  # 20 steps, loopback, one bandwidth: a smoke test
+
+Each rank runs in its own network namespace, the namespaces joined by veth
+pairs on a bridge (iproute2; made by the run, removed after), so every byte a
+method sends crosses a real link: the kernel's tx counters of each rank's veth
+give the bytes on the wire for torch's hooks and ours alike, and ``tc``
+(netem delay + tbf rate) on each veth makes the link slow.  Every method runs
+the same model, seed, data order and number of optimizer steps through
+``commhooks.train`` (the workers), once per bandwidth; accuracy comes from
+the first (unlimited) run, since the link changes only the time.  Without
+root (or where namespaces cannot be made) the run says so and falls back to
+loopback with payload bytes only.
+
+Output in ``--out``: ``results.json``, ``table.md``, ``accuracy_vs_bytes.png``,
+``time_vs_bandwidth.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+REPO_CONFIGS = Path("configs")
+
+METHODS: Dict[str, List[str]] = {
+    "ddp": ["--hook", "none"],
+    "fp16": ["--hook", "fp16"],
+    "powersgd-r1": ["--hook", "powersgd", "--powersgd-rank", "1"],
+    "powersgd-r4": ["--hook", "powersgd", "--powersgd-rank", "4"],
+    "local-sgd-h8": ["--hook", "local-sgd", "--local-sgd-period", "8"],
+    "qsr": ["--hook", "qsr", "--config", "configs/qsr_mnist1d.json"],
+    "ab-groups": ["--hook", "ab", "--config", "configs/ab_mnist1d.json"],
+    "ab-only-b": ["--hook", "ab", "--config", "configs/ab_onlyb_mnist1d.json"],
+    "ab-x-qsr": ["--hook", "ab", "--config", "configs/abqsr_mnist1d.json"],
+    "compute-only": ["--hook", "compute-only"],
+}
+BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
+
+
+class LabError(RuntimeError):
+    """The network namespaces or tc could not be set up."""
+
+
+def _sh(*cmd: str) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise LabError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+class NetnsLab:
+    """N rank namespaces with a veth each to a bridge in a hub namespace; 10.77.0.(r+1)/24 inside only."""
+
+    def __init__(self, ranks: int, prefix: Optional[str] = None):
+        self.ranks = ranks
+        self.prefix = prefix or f"chb{os.getpid() % 100000}"
+        self.hub = f"{self.prefix}-hub"
+        self.made: List[str] = []
+
+    def ns(self, r: int) -> str:
+        return f"{self.prefix}-r{r}"
+
+    def iface(self, r: int) -> str:
+        return f"veth{r}"
+
+    def addr(self, r: int) -> str:
+        return f"10.77.0.{r + 1}"
+
+    def __enter__(self):
+        try:
+            if shutil.which("ip") is None or shutil.which("tc") is None:
+                raise LabError("iproute2 (ip, tc) is not installed")
+            _sh("ip", "netns", "add", self.hub)
+            self.made.append(self.hub)
+            _sh("ip", "netns", "exec", self.hub, "ip", "link", "add", "br0", "type", "bridge")
+            _sh("ip", "netns", "exec", self.hub, "ip", "link", "set", "br0", "up")
+            for r in range(self.ranks):
+                ns, peer = self.ns(r), f"{self.prefix}h{r}"
+                _sh("ip", "netns", "add", ns)
+                self.made.append(ns)
+                _sh("ip", "link", "add", self.iface(r) + self.prefix, "type", "veth", "peer", "name", peer)
+                _sh("ip", "link", "set", self.iface(r) + self.prefix, "netns", ns)
+                _sh("ip", "link", "set", peer, "netns", self.hub)
+                inside = ("ip", "netns", "exec", ns)
+                _sh(*inside, "ip", "link", "set", self.iface(r) + self.prefix, "name", self.iface(r))
+                _sh(*inside, "ip", "addr", "add", f"{self.addr(r)}/24", "dev", self.iface(r))
+                _sh(*inside, "ip", "link", "set", self.iface(r), "up")
+                _sh(*inside, "ip", "link", "set", "lo", "up")
+                _sh("ip", "netns", "exec", self.hub, "ip", "link", "set", peer, "master", "br0")
+                _sh("ip", "netns", "exec", self.hub, "ip", "link", "set", peer, "up")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for ns in reversed(self.made):  # deleting a namespace deletes its veth ends
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.made = []
+        return False
+
+    def shape(self, bandwidth: str, delay: str) -> str:
+        """Limit every rank's egress: netem delay (where the kernel has it) under a tbf rate.
+
+        Returns what was applied, e.g. ``"tbf 100mbit + netem 1ms"``, ``"tbf 100mbit (no netem in this
+        kernel)"`` or ``"none"`` for ``unlimited``.
+        """
+        applied = "none"
+        for r in range(self.ranks):
+            inside = ("ip", "netns", "exec", self.ns(r), "tc")
+            subprocess.run([*inside, "qdisc", "del", "dev", self.iface(r), "root"], capture_output=True)
+            if bandwidth == "unlimited":
+                continue
+            tbf = ("tbf", "rate", bandwidth, "burst", "32kbit", "latency", "50ms")
+            try:
+                _sh(*inside, "qdisc", "add", "dev", self.iface(r), "root", "handle", "1:", "netem", "delay", delay)
+                _sh(*inside, "qdisc", "add", "dev", self.iface(r), "parent", "1:1", "handle", "10:", *tbf)
+                applied = f"tbf {bandwidth} + netem {delay}"
+            except LabError as exc:
+                if "unknown" not in str(exc).lower():
+                    raise
+                subprocess.run([*inside, "qdisc", "del", "dev", self.iface(r), "root"], capture_output=True)
+                _sh(*inside, "qdisc", "add", "dev", self.iface(r), "root", *tbf)
+                applied = f"tbf {bandwidth} (no netem in this kernel: no added delay)"
+        return applied
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Path, timeout: float) -> Dict[str, List[dict]]:
+    """All methods at one link setting, one after the other, in one process group: per method, the per-rank summaries."""
+    common = ["--steps", str(args.steps), "--model", args.model, "--seed", str(args.seed), "--no-progress"]
+    spec = {name: METHODS[name] + common + ["--label", name, "--json-out", str(out / f"{name}.rank{{rank}}.json")]
+            for name in methods}
+    spec_file = out / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    port = _free_port()
+    procs = []
+    for r in range(args.ranks):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.ranks), MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   COMMHOOKS_CACHE=str(Path(args.cache_dir).resolve()))
+        for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "COMMHOOKS_WIRE_IFACE"):
+            env.pop(k, None)
+        cmd = [sys.executable, "-m", "commhooks.bench", "--worker", str(spec_file)]
+        if lab:
+            env.update(MASTER_ADDR=lab.addr(0), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GLOO_SOCKET_IFNAME=lab.iface(r),
+                       COMMHOOKS_WIRE_IFACE=lab.iface(r))
+            cmd = ["ip", "netns", "exec", lab.ns(r), *cmd]
+        else:
+            env.update(MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(args.ranks))
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"the ranks did not finish within {timeout:.0f} s")
+    if any(p.returncode for p in procs):
+        raise RuntimeError("a rank failed:\n" + "\n".join(e[-3000:] for _, e in outputs))
+    sys.stdout.write(outputs[0][0])
+    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(args.ranks)] for name in methods}
+
+
+def worker(spec_file: str) -> int:
+    """One rank: start once, train every method of the spec in turn."""
+    from . import train
+
+    spec = json.loads(Path(spec_file).read_text())
+    first = train.parse_args(next(iter(spec.values())))
+    rank, world, mean_over_ranks, finish = train.start(first)
+    for name, argv in spec.items():
+        t0 = time.perf_counter()
+        margs = train.parse_args(argv)
+        s = train.train_once(margs, rank, world, mean_over_ranks)
+        if rank == 0:
+            print(f"[bench] {name:<13}: acc {s['test_acc']:.4f}  {s['step_ms']:8.2f} ms/step  "
+                  f"payload {s['payload_bytes_per_rank'] / 1e6:8.2f} MB  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    finish()
+    return 0
+
+
+def mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def summarize(name: str, runs: Dict[str, List[dict]]) -> dict:
+    first = next(iter(runs.values()))
+    wire = [r["wire_bytes_per_rank"] for r in first]
+    return {
+        "test_acc": first[0]["test_acc"],
+        "train_loss": first[0]["train_loss"],
+        "payload_bytes_per_rank": mean([r["payload_bytes_per_rank"] for r in first]),
+        "meter_bytes_per_rank": mean([r["bytes_per_rank"] for r in first]),
+        "wire_tx_bytes_per_rank": None if wire[0] is None else mean([w["tx"] for w in wire]),
+        "step_ms": {bw: max(r["step_ms"] for r in rs) for bw, rs in runs.items()},  # the slowest rank sets the pace
+        "config": first[0]["config"],
+    }
+
+
+def table(results: dict) -> str:
+    methods, bws = results["methods"], results["setup"]["bandwidths"]
+    ddp, floor = methods.get("ddp"), methods.get("compute-only")
+    head = ["method", "test acc", "payload/rank", "vs DDP", "wire tx/rank"]
+    head += [f"ms/step {bw}" for bw in bws] + [f"vs compute-only {bws[-1]}", f"vs DDP {bws[-1]}", f"overhead vs DDP {bws[0]}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, m in methods.items():
+        payload = m["payload_bytes_per_rank"]
+        row = [name, f"{m['test_acc']:.4f}", f"{payload / 1e6:.2f} MB",
+               f"{payload / ddp['payload_bytes_per_rank']:.3f}" if ddp and ddp["payload_bytes_per_rank"] else "-",
+               "-" if m["wire_tx_bytes_per_rank"] is None else f"{m['wire_tx_bytes_per_rank'] / 1e6:.2f} MB"]
+        row += [f"{m['step_ms'][bw]:.2f}" for bw in bws]
+        last, first = bws[-1], bws[0]
+        row.append(f"{m['step_ms'][last] / floor['step_ms'][last]:.2f}x" if floor else "-")
+        row.append(f"{ddp['step_ms'][last] / m['step_ms'][last]:.2f}x faster" if ddp else "-")
+        row.append(f"{m['step_ms'][first] / ddp['step_ms'][first]:.2f}" if ddp else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def plots(results: dict, out: Path) -> List[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods, bws = results["methods"], results["setup"]["bandwidths"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, m in methods.items():
+        if m["payload_bytes_per_rank"]:
+            ax.scatter(m["payload_bytes_per_rank"] / 1e6, m["test_acc"], s=40)
+            ax.annotate(name, (m["payload_bytes_per_rank"] / 1e6, m["test_acc"]), fontsize=8, xytext=(4, 2), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("payload sent per rank over the run (MB, log)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"MNIST-1D {results['setup']['model']}, {results['setup']['ranks']} ranks, {results['setup']['steps']} steps")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy_vs_bytes.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, m in methods.items():
+        ax.plot(range(len(bws)), [m["step_ms"][bw] for bw in bws], marker="o", label=name)
+    ax.set_xticks(range(len(bws)), bws)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"link per rank ({results['setup']['network']})")
+    ax.set_ylabel("time per optimizer step (ms, log)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "time_vs_bandwidth.png", dpi=120)
+    plt.close(fig)
+    return ["accuracy_vs_bytes.png", "time_vs_bandwidth.png"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="commhooks bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from: {', '.join(METHODS)}")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bandwidths", default=",".join(BANDWIDTHS), help="comma list of tc rates (first: the accuracy run)")
+    p.add_argument("--delay", default="1ms", help="netem delay added on limited links")
+    p.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
+                   help="auto: namespaces when root, else loopback; on: fail if they cannot be made")
+    p.add_argument("--out", default="results/bench")
+    p.add_argument("--cache-dir", default=os.environ.get("COMMHOOKS_CACHE", ".cache"))
+    p.add_argument("--timeout", type=float, default=7200.0, help="seconds for all methods at one link setting")
+    p.add_argument("--quick", action="store_true", help="20 steps, loopback, unlimited only (a smoke test)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.netns, args.bandwidths = min(args.steps, 20), "off", "unlimited"
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        p.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    args.bandwidths = [b.strip() for b in args.bandwidths.split(",") if b.strip()]
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return worker(argv[1])
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lab, network = None, "loopback"
+    if args.netns != "off":
+        try:
+            if os.geteuid() != 0:
+                raise LabError("not root")
+            lab = NetnsLab(args.ranks).__enter__()
+            network = "netns + veth + bridge, tc per rank"
+        except LabError as exc:
+            if args.netns == "on":
+                raise
+            print(f"commhooks bench: no network namespaces ({exc}); falling back to loopback, payload bytes only", flush=True)
+    if lab is None and any(bw != "unlimited" for bw in args.bandwidths):
+        print("commhooks bench: loopback cannot be rate-limited; measuring 'unlimited' only", flush=True)
+        args.bandwidths = ["unlimited"]
+    results = {"setup": {"ranks": args.ranks, "steps": args.steps, "model": args.model, "seed": args.seed,
+                         "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
+                         "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}, "methods": {}}
+    runs: Dict[str, Dict[str, List[dict]]] = {m: {} for m in args.methods}
+    try:
+        for bw in args.bandwidths:
+            shaping = lab.shape(bw, args.delay) if lab else "none"
+            results["setup"].setdefault("shaping", {})[bw] = shaping
+            print(f"[bench] link {bw}: {shaping} ({network})", flush=True)
+            for name, per_rank in run_bandwidth(args.methods, args, lab, out, args.timeout).items():
+                runs[name][bw] = per_rank
+    finally:
+        if lab:
+            lab.__exit__()
+    for name in args.methods:
+        results["methods"][name] = summarize(name, runs[name])
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    md = table(results)
+    (out / "table.md").write_text(md + "\n")
+    results["plots"] = plots(results, out)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
