@@ -1,8 +1,8 @@
 """Backend-agnostic collectives (:class:`Comm`) and the byte meter."""
 
-from .base import Comm, Group, Meter, Work
+from .base import CollectiveError, Comm, Group, Meter, Work
 
-__all__ = ["Comm", "Group", "Meter", "Work", "TorchComm"]
+__all__ = ["CollectiveError", "Comm", "Group", "Meter", "Work", "TorchComm"]
 
 
 def __getattr__(name):

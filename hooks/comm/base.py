@@ -22,6 +22,10 @@ import torch
 REDUCE_OPS = ("mean", "sum", "max")
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names it, its group and its tag."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
     """A set of ranks that communicate together.
@@ -157,9 +161,10 @@ class Comm:
     ``torch.distributed``.  ``group=None`` means the world.
     """
 
-    def __init__(self, rank: int, size: int):
+    def __init__(self, rank: int, size: int, timeout_s: Optional[float] = None):
         self.rank = rank
         self.size = size
+        self.timeout_s = timeout_s  # None: the backend's own default
         self.meter = Meter()
         self.world = Group("world", tuple(range(size)), handle=self._world_handle())
         self._groups: Dict[Tuple[int, ...], Group] = {self.world.ranks: self.world}
@@ -195,6 +200,11 @@ class Comm:
         self._groups[ranks] = group
         return group
 
+    def _describe(self, kind: str, group: Group, tag: str, nbytes: int) -> str:
+        limit = f" (timeout {self.timeout_s:g} s)" if self.timeout_s else ""
+        return (f"commhooks {kind} '{tag or 'untagged'}' of {nbytes} bytes on group {group.name} "
+                f"(ranks {list(group.ranks)}), rank {self.rank}{limit}")
+
     def allreduce(
         self,
         tensors: Sequence[torch.Tensor],
@@ -202,44 +212,58 @@ class Comm:
         group: Optional[Group] = None,
         async_op: bool = False,
         tag: str = "",
+        metered: bool = True,
     ):
         """Reduce a list of tensors in one flat call over ``group``.
 
         Returns the list (reduced in place), or a :class:`Work` if
         ``async_op``.  ``op`` is ``"mean"``, ``"sum"`` or ``"max"``; all
-        tensors must share dtype and device.
+        tensors must share dtype and device.  ``metered=False`` keeps a
+        verification call (a few bytes) out of the meter, which counts the
+        algorithm's traffic.  A failure or timeout raises
+        :class:`CollectiveError` naming the collective, its tag and group.
         """
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
         group = group or self.world
         tensors = list(tensors)
-        if not tensors:
-            work = Work(lambda: [])
-            return work if async_op else []
+        if not tensors or group.size == 1:  # nothing to send: the mean of one is itself, no copy
+            return Work(lambda: tensors) if async_op else tensors
         flat = flatten(tensors)
-        if group.size == 1:  # nothing leaves the rank: not metered
-            wait, fut = (lambda: None), None
-        else:
-            self.meter.record(group.name, "allreduce", flat.numel() * flat.element_size(), tag)
+        nbytes = flat.numel() * flat.element_size()
+        what = lambda: self._describe("allreduce", group, tag, nbytes)  # noqa: E731
+        if metered:
+            self.meter.record(group.name, "allreduce", nbytes, tag)
+        try:
             wait, fut = self._allreduce_flat(flat, "sum" if op == "mean" else op, group, async_op)
+        except Exception as exc:
+            raise CollectiveError(f"{what()} failed: {exc}") from exc
 
-        def finish(_=None):
-            if op == "mean" and group.size > 1:
+        def finish(done=None):
+            if done is not None:
+                try:
+                    done.value()  # re-raises the backend's error
+                except Exception as exc:
+                    raise CollectiveError(f"{what()} failed: {exc}") from exc
+            if op == "mean":
                 flat.div_(group.size)
             unflatten_into(flat, tensors)
             return tensors
 
-        if not async_op:
-            wait()
+        def wait_and_finish():
+            try:
+                wait()
+            except CollectiveError:
+                raise
+            except Exception as exc:
+                raise CollectiveError(f"{what()} failed: {exc}") from exc
             return finish()
+
+        if not async_op:
+            return wait_and_finish()
         if fut is not None:
             chained = fut.then(finish)
             return Work(lambda: chained.wait(), chained)
-
-        def wait_and_finish():
-            wait()
-            return finish()
-
         return Work(wait_and_finish)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0, group: Optional[Group] = None, tag: str = ""):
@@ -249,8 +273,16 @@ class Comm:
         if not tensors or group.size == 1:
             return tensors
         flat = flatten(tensors)
+        nbytes = flat.numel() * flat.element_size()
         if self.rank == src:
-            self.meter.record(group.name, "broadcast", flat.numel() * flat.element_size(), tag)
-        self._broadcast_flat(flat, src, group)
+            self.meter.record(group.name, "broadcast", nbytes, tag)
+        try:
+            self._broadcast_flat(flat, src, group)
+        except Exception as exc:
+            raise CollectiveError(f"{self._describe('broadcast', group, tag, nbytes)} failed: {exc}") from exc
         unflatten_into(flat, tensors)
         return tensors
+
+    def barrier(self, group: Optional[Group] = None) -> None:
+        """Wait for every rank of ``group`` (an unmetered one-element allreduce, with the timeout)."""
+        self.allreduce([torch.zeros(1)], op="sum", group=group, tag="barrier", metered=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Optional, Tuple
 
 import torch
@@ -20,7 +21,7 @@ class TorchComm(Comm):
     to global ranks for ``dist.new_group``.
     """
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, timeout_s: Optional[float] = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "
@@ -28,19 +29,28 @@ class TorchComm(Comm):
             )
         self.process_group = process_group or dist.group.WORLD
         self._global_ranks = dist.get_process_group_ranks(self.process_group)
-        super().__init__(dist.get_rank(self.process_group), dist.get_world_size(self.process_group))
+        super().__init__(dist.get_rank(self.process_group), dist.get_world_size(self.process_group), timeout_s)
 
     def _world_handle(self) -> Any:
         return self.process_group
 
+    def _wait(self, work) -> None:
+        if self.timeout_s is None:
+            work.wait()
+        elif not work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)):
+            raise TimeoutError(f"no answer within {self.timeout_s:g} s")
+
     def _allreduce_flat(self, flat: torch.Tensor, op: str, group: Group, async_op: bool):
-        work = dist.all_reduce(flat, op=_OPS[op], group=group.handle, async_op=async_op)
+        # always async, so a blocking call can wait with this Comm's timeout
+        work = dist.all_reduce(flat, op=_OPS[op], group=group.handle, async_op=True)
         if not async_op:
+            self._wait(work)
             return (lambda: None), None
-        return work.wait, work.get_future()
+        return (lambda: self._wait(work)), work.get_future()
 
     def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
-        dist.broadcast(flat, src=self._global_ranks[src], group=group.handle)
+        self._wait(dist.broadcast(flat, src=self._global_ranks[src], group=group.handle, async_op=True))
 
     def _make_group(self, ranks: Tuple[int, ...]) -> Any:
-        return dist.new_group([self._global_ranks[r] for r in ranks])
+        timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
+        return dist.new_group([self._global_ranks[r] for r in ranks], timeout=timeout)
