@@ -81,7 +81,30 @@ def check_choice(key: str, value: Any, choices):
 
 
 @dataclasses.dataclass
-class QSRConfig:
+class SafetyConfig:
+    """Settings both hooks share: how they guard a long job against silent divergence and hangs.
+
+    * ``check_every``: every N-th sync, compare a checksum of the parameters
+      across ranks and raise naming the tensors that differ (0 = never).
+    * ``nonfinite``: with ``"raise"`` a NaN/Inf gradient raises an error naming
+      the parameter; with ``"skip"`` the step makes no update (counted in
+      ``state.skipped_steps``; the step still counts, so ranks stay in step).
+    * ``timeout_s``: seconds any collective of the hook may take before it
+      fails with an error naming the collective and the group.
+    """
+
+    check_every: int = 10
+    nonfinite: str = "raise"
+    timeout_s: float = 300.0
+
+    def _check_safety(self, p: str) -> None:
+        check_int(p + "check_every", self.check_every, minimum=0)
+        check_choice(p + "nonfinite", self.nonfinite, ("raise", "skip"))
+        self.timeout_s = check_number(p + "timeout_s", self.timeout_s, minimum=0.0, min_inclusive=False)
+
+
+@dataclasses.dataclass
+class QSRConfig(SafetyConfig):
     """Local SGD / local AdamW synchronised by the Quadratic Synchronisation Rule.
 
     After a sync, the next round lasts
@@ -120,6 +143,7 @@ class QSRConfig:
         self.power = check_number(p + "power", self.power, minimum=0.0, min_inclusive=False)
         check_bool(p + "average_optimizer_state", self.average_optimizer_state)
         check_bool(p + "average_buffers", self.average_buffers)
+        self._check_safety(p)
 
     @property
     def warmup_h(self) -> int:
@@ -128,7 +152,7 @@ class QSRConfig:
 
 
 @dataclasses.dataclass
-class ABConfig:
+class ABConfig(SafetyConfig):
     """AB-training: low-rank factors trained by independent groups, averaged periodically.
 
     Coquelin et al., arXiv 2405.01067.  Defaults are the paper's VGG16 /
@@ -198,6 +222,7 @@ class ABConfig:
         self.power = check_number(p + "power", self.power, minimum=0.0, min_inclusive=False)
         check_int(p + "total_steps", self.total_steps, minimum=1, allow_none=True)
         check_bool(p + "local_group_steps", self.local_group_steps)
+        self._check_safety(p)
         if self.sync_rule == "qsr" and self.period_base <= self.full_rank_steps:
             raise ConfigError(
                 f"ab.h_base must be > ab.full_rank_steps with sync_rule 'qsr', got h_base={self.period_base}, "
@@ -237,7 +262,7 @@ def from_dict(data: Mapping[str, Any], kind: Optional[str] = None, where: str = 
     check_choice(f"{where}.type", kind, ["none", *SCHEMAS])
     cls = SCHEMAS[kind]
     allowed = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(allowed))
+    unknown = sorted(set(data) - set(allowed), key=repr)
     if unknown:
         raise ConfigError(
             f"{where}: unknown key(s) {', '.join(map(repr, unknown))} for type {kind!r}; "

@@ -85,6 +85,9 @@ class _HookedOptimizer:
         self._works = {}
         self._synchronized = False
         self._should_synchronize = True
+        # ours first: gradients are reduced before the algorithm's own pre-hook (its NaN guard) looks at them
+        self.register_step_pre_hook(lambda opt, args, kwargs: self._before_step())
+        self.register_step_post_hook(lambda opt, args, kwargs: setattr(self, "_synchronized", False))
         comm = HorovodComm()
         if conf.kind == "qsr":
             from .qsr import QSRState
@@ -96,8 +99,6 @@ class _HookedOptimizer:
             self.comm_hook_state = ABState(model, self, named_parameters=named, comm=comm, config=conf)
         self._reduces = hasattr(self.comm_hook_state, "reduce_gradients")
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._params] if self._reduces else []
-        self.register_step_pre_hook(lambda opt, args, kwargs: self._before_step())
-        self.register_step_post_hook(lambda opt, args, kwargs: setattr(self, "_synchronized", False))
 
     def _start(self, p):
         if p.grad is None:  # an unused parameter: the other ranks may have a gradient for it

@@ -51,9 +51,11 @@ from typing import List, Optional
 
 import torch
 
+from ._version import __version__
 from .averaging import average_, buffers_broadcast_each_forward, float_buffers, optimizer_moments
 from .comm import Comm
-from .config import ConfigError, QSRConfig, from_dict, load_config
+from .config import ConfigError, QSRConfig, from_dict, load_config, to_dict
+from .consistency import guard_gradients, verify_identical, verify_same_everywhere
 
 NEVER = 2**62  # a period that never ends (lr 0 and no total_steps)
 
@@ -139,12 +141,18 @@ class QSRState:
         if comm is None:
             from .comm.torch_dist import TorchComm
 
-            comm = TorchComm(process_group)
+            comm = TorchComm(process_group, timeout_s=self.config.timeout_s)
         self.comm = comm
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._named = [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)]
+        verify_same_everywhere(comm, "the QSR hook", {"config": to_dict(self.config), "world": comm.size,
+                                                      "params": [tuple(p.shape) for p in params], "version": __version__})
         self.step = 0
         self.since_sync = 0
         self.H: Optional[int] = None  # chosen at the first step of each round
         self.syncs = 0
+        self.skipped_steps = 0
         self.sync_steps: List[int] = []  # optimizer steps after which a sync happened (this process)
         if model is not None and buffers_broadcast_each_forward(model):
             warnings.warn(
@@ -167,7 +175,9 @@ class QSRState:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def begin_step(self) -> None:
-        """Called before each optimizer step: pick H at the first step of a round."""
+        """Called before each optimizer step: guard against NaN/Inf gradients, pick H at a round's first step."""
+        if guard_gradients(self._named, self.config.nonfinite, self.step, self.comm.rank):
+            self.skipped_steps += 1
         if self.H is None:
             self.H = qsr_period(self.step, self.lr(), self.config)
 
@@ -192,6 +202,9 @@ class QSRState:
         self.H = None
         self.syncs += 1
         self.sync_steps.append(self.step)
+        if self.config.check_every and self.syncs % self.config.check_every == 0:
+            named = self._named + [(f"buffer{i}", b) for i, b in enumerate(float_buffers(self.model))]
+            verify_identical(self.comm, named, f"after QSR sync {self.syncs} (step {self.step})")
 
     def remove(self) -> None:
         """Unregister the optimizer hooks (the DDP comm hook stays until DDP is rebuilt)."""
@@ -206,6 +219,7 @@ class QSRState:
             "since_sync": self.since_sync,
             "H": self.H,
             "syncs": self.syncs,
+            "skipped_steps": self.skipped_steps,
             "config": {k: getattr(self.config, k) for k in self.config.__dataclass_fields__},
         }
 
@@ -214,6 +228,7 @@ class QSRState:
         self.since_sync = int(state["since_sync"])
         self.H = None if state["H"] is None else int(state["H"])
         self.syncs = int(state.get("syncs", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
 
     def __repr__(self) -> str:
         return f"QSRState(step={self.step}, since_sync={self.since_sync}, H={self.H}, syncs={self.syncs})"

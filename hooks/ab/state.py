@@ -46,9 +46,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .._version import __version__
 from ..averaging import average_, buffers_broadcast_each_forward, clear_optimizer_state, float_buffers
 from ..comm import Comm, Work
-from ..config import ABConfig, ConfigError, from_dict, load_config
+from ..config import ABConfig, ConfigError, from_dict, load_config, to_dict
+from ..consistency import guard_gradients, nonfinite_anywhere, verify_identical, verify_same_everywhere
 from .groups import make_groups
 from .lowrank import Basis, basis_from_svd, choose_rank, compression_ratio, svd, tall_view
 from .schedule import AB, ENTER, SYNC, Clock, ab_phase_length, apply, events_before, needs_length
@@ -102,10 +104,13 @@ class ABState:
         if comm is None:
             from ..comm.torch_dist import TorchComm
 
-            comm = TorchComm(process_group)
+            comm = TorchComm(process_group, timeout_s=conf.timeout_s)
         self.comm = comm
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", comm.size))
         ranks, roles = make_groups(conf, comm.size, local_world)
+        verify_same_everywhere(comm, "the AB hook", {"config": to_dict(conf), "world": comm.size, "groups": ranks,
+                                                     "params": [(n, tuple(p.shape)) for n, p in named],
+                                                     "version": __version__})
         self.groups = [comm.new_group(g, name=f"{r}{i}") for i, (g, r) in enumerate(zip(ranks, roles))]
         mine = next(i for i, g in enumerate(ranks) if comm.rank in g)
         self.group, self.role = self.groups[mine], roles[mine]
@@ -114,6 +119,7 @@ class ABState:
         self.step = 0
         self.clock = Clock()
         self.syncs = 0
+        self.skipped_steps = 0
         self.last_switch: Optional[int] = None
         self.bases: Dict[str, Basis] = {}  # compressed weights of the current AB phase
         self.ranks: Dict[str, Optional[int]] = {}  # rank per candidate at the last entry (None: kept dense)
@@ -147,7 +153,10 @@ class ABState:
 
     # --------------------------------------------------------------- schedule
     def begin_step(self) -> None:
-        """Before each optimizer step: under ``sync_rule="qsr"``, size an AB phase from the lr it starts with."""
+        """Before each optimizer step: guard against NaN/Inf gradients; under ``sync_rule="qsr"``, size an AB
+        phase from the lr it starts with."""
+        if guard_gradients(list(self._param.items()), self.config.nonfinite, self.step, self.comm.rank):
+            self.skipped_steps += 1
         if needs_length(self.clock, self.config):
             self.clock.phase_end = self.step + ab_phase_length(self.step, self.scheduled_lr(), self.config)
 
@@ -207,6 +216,7 @@ class ABState:
         """Compute the bases (rank agreed as the MAX over ranks), set W = A B, clear the factors' state."""
         cfg = self.config
         keep_residual = self.clock.entries == 0 and not cfg.truncate_first
+        nonfinite_anywhere(self.comm, self.candidates, f"AB re-basis before step {self.step}: the SVD needs finite weights")
         mats = [tall_view(p.data)[0] for _, p in self.candidates]
         svds = [svd(m) for m in mats]
         local_k = [choose_rank(s, cfg.rank_cutoff) for _, s, _ in svds]
@@ -263,6 +273,8 @@ class ABState:
         clear_optimizer_state(self.optimizer, self._param.values())
         self.bases = {}
         self.syncs += 1
+        if self.config.check_every and self.syncs % self.config.check_every == 0:
+            verify_identical(self.comm, list(self._param.items()), f"after AB sync {self.syncs} (step {self.step})")
 
     # ----------------------------------------------------------------- report
     def report(self) -> dict:
@@ -312,6 +324,7 @@ class ABState:
             "step": self.step,
             "clock": dataclasses.asdict(self.clock),
             "syncs": self.syncs,
+            "skipped_steps": self.skipped_steps,
             "last_switch": self.last_switch,
             "ranks": dict(self.ranks),
             "bases": {
@@ -328,6 +341,7 @@ class ABState:
         self.step = int(state["step"])
         self.clock = Clock(**state["clock"])
         self.syncs = int(state["syncs"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
         self.last_switch = state["last_switch"]
         self.ranks = dict(state["ranks"])
         self.bases = {n: Basis(**b) for n, b in state["bases"].items()}

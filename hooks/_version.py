@@ -1,0 +1,3 @@
+"""The package version, in one place (the consistency check compares it across ranks)."""
+
+__version__ = "0.1.0"
