@@ -280,9 +280,15 @@ def init_distributed(backend: Optional[str] = None, timeout: float = 300.0) -> d
     backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(p.local_rank)
-    dist.init_process_group(
-        backend, rank=p.rank, world_size=p.world_size, timeout=datetime.timedelta(seconds=timeout)
-    )
+    td = datetime.timedelta(seconds=timeout)
+    kwargs = {}
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun restarts reuse the agent's store: without a per-attempt prefix, a restarted rank can read
+        # the dead attempt's gloo addresses and fail with "connection refused"
+        store = dist.TCPStore(p.master_addr, int(p.master_port), p.world_size, is_master=False, timeout=td)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        kwargs["store"] = dist.PrefixStore(f"commhooks/attempt_{attempt}", store)
+    dist.init_process_group(backend, rank=p.rank, world_size=p.world_size, timeout=td, **kwargs)
     return dataclasses.asdict(p)
 
 

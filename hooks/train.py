@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from . import config as cfg
 from . import ddp as ddp_adapter
 from .ab import LRRebound
+from .checkpoint import load_checkpoint, save_checkpoint
 from .anchors import ANCHORS, register_anchor
 from .data import load_mnist1d, rank_batches
 from .launch import LaunchError, init_distributed, shutdown
@@ -64,6 +65,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--local-sgd-period", type=int, default=8, help="--hook local-sgd: PeriodicModelAverager period")
     p.add_argument("--anchor-start", type=int, default=50,
                    help="--hook powersgd / local-sgd: plain allreduce steps first (as the lr warm-up)")
+    p.add_argument("--checkpoint-dir", help="save per-rank checkpoints here, and resume from the latest one at start")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints (0: none)")
     p.add_argument("--wire-iface", default=os.environ.get("COMMHOOKS_WIRE_IFACE"),
                    help="network interface whose tx/rx counters to report (the benchmark's veth)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
@@ -160,7 +163,7 @@ def build_trainer(args, model, conf):
             state = register_anchor(args.hook, net, optimizer, args.powersgd_rank, args.local_sgd_period, args.anchor_start)
         else:
             state = ddp_adapter.register(net, optimizer, conf)
-        forward, step = net, optimizer.step
+        forward, step = net, lambda: optimizer.step()  # looked up late: the scheduler wraps it
     elif args.backend == "horovod":
         import horovod.torch as hvd
 
@@ -171,7 +174,7 @@ def build_trainer(args, model, conf):
             build_optimizer(args.optimizer, model.parameters(), args.lr, args.momentum, args.weight_decay),
             named_parameters=model.named_parameters(), hook=conf, model=model)
         state = getattr(optimizer, "comm_hook_state", None)  # None: Horovod's own allreduce, unmetered
-        forward, step = model, optimizer.step
+        forward, step = model, lambda: optimizer.step()
     else:
         from . import deepspeed as ds_adapter
 
@@ -200,7 +203,7 @@ def build_trainer(args, model, conf):
         scheduler.step()
         return sum(losses) / len(losses), scheduler.get_last_lr()[0]
 
-    return train_step, state, micro, accumulation
+    return train_step, state, micro, accumulation, optimizer, scheduler
 
 
 def start(args):
@@ -235,7 +238,14 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
     torch.manual_seed(args.seed)
     data = load_mnist1d(Path(args.cache_dir), seed=args.data_seed)
     model = build_model(args.model)
-    train_step, state, micro, accumulation = build_trainer(args, model, conf)
+    train_step, state, micro, accumulation, optimizer, scheduler = build_trainer(args, model, conf)
+    first_step = 0
+    if args.checkpoint_dir:
+        ck = load_checkpoint(args.checkpoint_dir, model, optimizer, state, scheduler)
+        if ck is not None:
+            first_step = ck["step"]
+            if rank == 0:
+                print(f"[commhooks] resumed from {args.checkpoint_dir} at step {first_step}", flush=True)
 
     progress = None
     if rank == 0 and not args.no_progress:
@@ -243,15 +253,17 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
 
         progress = tqdm(total=args.steps, desc=args.label or args.hook, leave=False, file=sys.stderr, mininterval=1.0)
     losses = []
-    batches = rank_batches(len(data["y"]), micro, rank, world, args.seed)
+    batches = rank_batches(len(data["y"]), micro, rank, world, args.seed, start_step=first_step * accumulation)
     wire_before = iface_bytes(args.wire_iface)
     counter = PayloadCounter()
     start = time.perf_counter()
     with counter:  # every torch.distributed collective of the run, whoever issues it
-        for step in range(args.steps):
+        for step in range(first_step, args.steps):
             chunk = [next(batches)[1] for _ in range(accumulation)]
             loss, lr = train_step([(data["x"][idx], data["y"][idx]) for idx in chunk])
             losses.append(loss)
+            if args.checkpoint_dir and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+                save_checkpoint(args.checkpoint_dir, model, optimizer, state, scheduler, step=step + 1)
             if progress is not None:
                 progress.update(1)
                 if step % 50 == 0:
@@ -261,7 +273,7 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
     if progress is not None:
         progress.close()
 
-    tail = mean_over_ranks(torch.tensor([sum(losses[-50:]) / len(losses[-50:])]))  # metric only, not hook traffic
+    tail = mean_over_ranks(torch.tensor([sum(losses[-50:]) / max(1, len(losses[-50:]))]))  # metric only, not hook traffic
     summary = {
         "label": args.label or args.hook,
         "hook": args.hook,
@@ -275,7 +287,9 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         # what reached torch.distributed (all methods alike; DeepSpeed's and Horovod's own collectives not included)
         "payload_bytes_per_rank": counter.bytes if args.backend != "horovod" else None,
         "wire_bytes_per_rank": None if wire_before is None else {k: wire_after[k] - wire_before[k] for k in wire_before},
-        "step_ms": round(1000 * wall / args.steps, 3),
+        "step_ms": round(1000 * wall / max(1, args.steps - first_step), 3),
+        "resumed_from": first_step,
+        "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
         "syncs": getattr(state, "syncs", None if args.hook in ANCHORS else args.steps),
         "wall_s": round(wall, 2),
         "config": cfg.to_dict(conf),
@@ -307,12 +321,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run(args)
     except cfg.ConfigError as exc:
-        print(f"commhooks: config error: {exc}", file=sys.stderr)
-        return 2
+        print(f"commhooks: config error: {exc}", file=sys.stderr, flush=True)
+        return _exit_after_grace()
     except LaunchError as exc:
-        print(f"commhooks: launch error: {exc}", file=sys.stderr)
-        return 2
+        print(f"commhooks: launch error: {exc}", file=sys.stderr, flush=True)
+        return _exit_after_grace()
     return 0
+
+
+def _exit_after_grace() -> int:
+    """Exit code 2, a moment late when there are peers: launchers kill the whole job as soon as one rank exits,
+    which would hide the other ranks' (same) error messages. ``COMMHOOKS_ERROR_GRACE_S`` sets the delay."""
+    if int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) or 1) > 1:
+        time.sleep(float(os.environ.get("COMMHOOKS_ERROR_GRACE_S", "3")))
+    return 2
 
 
 if __name__ == "__main__":
