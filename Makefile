@@ -6,7 +6,7 @@ NPROC  ?= 2
 TRAIN  := $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m commhooks.train
 DEMO   := results/demo
 
-.PHONY: install demo test clean
+.PHONY: install demo test bench clean
 
 install:
 	@bash .ci/install.sh
@@ -20,6 +20,9 @@ demo: install
 
 test: install
 	$(VENV)/bin/python -m pytest -q
+
+bench: install
+	$(VENV)/bin/commhooks bench --out results/bench
 
 clean:
 	rm -rf results .pytest_cache
