@@ -16,6 +16,8 @@ from .qsr import QSRState, qsr_period
 
 __all__ = [
     "__version__",
+    "ab",
+    "ddp",
     "ABConfig",
     "ABState",
     "LRRebound",

@@ -31,8 +31,6 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-REPO_CONFIGS = Path("configs")
-
 METHODS: Dict[str, List[str]] = {
     "ddp": ["--hook", "none"],
     "fp16": ["--hook", "fp16"],

@@ -274,6 +274,17 @@ def from_dict(data: Mapping[str, Any], kind: Optional[str] = None, where: str = 
         raise ConfigError(f"{where}: {exc}") from None
 
 
+def read_json(path, what: str = "config file") -> Any:
+    """A JSON file's contents; a missing file or bad JSON is a ConfigError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} {str(path)!r} does not exist")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what} {str(path)!r} is not valid JSON: {exc}") from None
+
+
 def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any], Any], kind: Optional[str] = None):
     """Turn any accepted form of hook settings into a validated config object.
 
@@ -289,14 +300,8 @@ def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any], Any], k
         return source
     where = "config"
     if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            source = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from None
-        where = path.name
+        where = Path(source).name
+        source = read_json(source)
     if isinstance(source, Mapping) and "comm_hook" in source:
         return from_dict(source["comm_hook"], kind, where=f"{where}.comm_hook")
     return from_dict(source, kind, where=where)

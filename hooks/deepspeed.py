@@ -30,14 +30,13 @@ optimizer the hooks attach to; they are refused the same way for now.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import torch
 
-from .config import ConfigError, load_config
+from .config import ConfigError, load_config, read_json
 
 # DeepSpeed JIT-compiles its ops on first use; keep them in the project's cache, not ~/.cache.
 os.environ.setdefault(
@@ -49,13 +48,7 @@ def read_ds_config(config) -> dict:
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
-        path = Path(config)
-        if not path.is_file():
-            raise ConfigError(f"DeepSpeed config {str(path)!r} does not exist")
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"DeepSpeed config {str(path)!r} is not valid JSON: {exc}") from None
+        return read_json(config, "DeepSpeed config")
     if isinstance(config, Mapping):
         return dict(config)
     raise ConfigError(f"DeepSpeed config must be a dict or a JSON path, got {type(config).__name__}")

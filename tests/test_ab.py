@@ -1,7 +1,6 @@
 """AB-training through the DDP adapter, on real gloo groups (2 and 4 ranks)."""
 
 import math
-import os
 
 import pytest
 import torch

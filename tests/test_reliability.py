@@ -2,7 +2,6 @@
 non-finite values, collective timeouts. Real gloo ranks and real torchrun, each with a timeout."""
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ from commhooks.comm import CollectiveError
 from commhooks.comm.torch_dist import TorchComm
 from commhooks.config import ConfigError
 from commhooks.consistency import DivergenceError, NonFiniteError
-from tests.dist import RankError, run_ranks
+from tests.dist import run_ranks
 from tests.test_ab import batch, mlp, weights
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
 import commhooks.horovod
-from commhooks.config import ConfigError, load_config
+from commhooks.config import ConfigError
 from commhooks.launch import init_distributed
 
 p = argparse.ArgumentParser()
