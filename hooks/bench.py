@@ -39,6 +39,7 @@ METHODS: Dict[str, List[str]] = {
     "local-sgd-h8": ["--hook", "local-sgd", "--local-sgd-period", "8"],
     "qsr": ["--hook", "qsr", "--config", "configs/qsr_mnist1d.json"],
     "ab-groups": ["--hook", "ab", "--config", "configs/ab_mnist1d.json"],
+    "ab-groups-short": ["--hook", "ab", "--config", "configs/ab_short_mnist1d.json"],  # warm-up 100, F 5
     "ab-only-b": ["--hook", "ab", "--config", "configs/ab_onlyb_mnist1d.json"],
     "ab-x-qsr": ["--hook", "ab", "--config", "configs/abqsr_mnist1d.json"],
     "compute-only": ["--hook", "compute-only"],
@@ -189,7 +190,7 @@ def worker(spec_file: str) -> int:
         margs = train.parse_args(argv)
         s = train.train_once(margs, rank, world, mean_over_ranks)
         if rank == 0:
-            print(f"[bench] {name:<13}: acc {s['test_acc']:.4f}  {s['step_ms']:8.2f} ms/step  "
+            print(f"[bench] {name:<15}: acc {s['test_acc']:.4f}  {s['step_ms']:8.2f} ms/step  "
                   f"payload {s['payload_bytes_per_rank'] / 1e6:8.2f} MB  ({time.perf_counter() - t0:.0f} s)", flush=True)
     finish()
     return 0
@@ -255,8 +256,11 @@ def plots(results: dict, out: Path) -> List[str]:
     fig.savefig(out / "accuracy_vs_bytes.png", dpi=120)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, m in methods.items():
-        ax.plot(range(len(bws)), [m["step_ms"][bw] for bw in bws], marker="o", label=name)
+    colours = plt.get_cmap("tab20")
+    for i, (name, m) in enumerate(methods.items()):
+        ours = name.startswith(("qsr", "ab"))  # commhooks solid, anchors dashed
+        ax.plot(range(len(bws)), [m["step_ms"][bw] for bw in bws], marker="o" if ours else "s",
+                linestyle="-" if ours else "--", color=colours(i % 20), label=name)
     ax.set_xticks(range(len(bws)), bws)
     ax.set_yscale("log")
     ax.set_xlabel(f"link per rank ({results['setup']['network']})")
