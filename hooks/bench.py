@@ -201,7 +201,8 @@ def mean(values):
     return sum(values) / len(values) if values else None
 
 
-def summarize(name: str, runs: Dict[str, List[dict]]) -> dict:
+def summarize(runs: Dict[str, List[dict]]) -> dict:
+    """One method's row: accuracy and bytes from the first link setting, the slowest rank's time at each."""
     first = next(iter(runs.values()))
     wire = [r["wire_bytes_per_rank"] for r in first]
     return {
@@ -335,7 +336,7 @@ def main(argv=None) -> int:
         if lab:
             lab.__exit__()
     for name in args.methods:
-        results["methods"][name] = summarize(name, runs[name])
+        results["methods"][name] = summarize(runs[name])
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     md = table(results)
     (out / "table.md").write_text(md + "\n")

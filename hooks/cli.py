@@ -17,7 +17,7 @@ def table(paths: Sequence[str]) -> str:
     runs = [json.load(open(p)) for p in paths]
     if not runs:
         return "no runs"
-    base = runs[0]["bytes_per_rank"] or runs[0].get("payload_bytes_per_rank") or 1
+    base = nbytes(runs[0]) or 1
     lines = [
         "| run | test acc | train loss | bytes/rank | vs first | syncs | steps | wall |",
         "|---|---|---|---|---|---|---|---|",

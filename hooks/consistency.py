@@ -33,10 +33,11 @@ class NonFiniteError(FloatingPointError):
     """A NaN or Inf where the algorithm cannot go on."""
 
 
-def _spread(comm: Comm, values: torch.Tensor, group=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Elementwise (max, min) over the ranks, in one unmetered call."""
+def spread_over_ranks(comm: Comm, values: torch.Tensor, group=None, tag: str = "check",
+                      metered: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise (max, min) over the ranks, in one call (unmetered unless ``metered``)."""
     both = torch.cat([values, -values])
-    comm.allreduce([both], op="max", group=group, tag="check", metered=False)
+    comm.allreduce([both], op="max", group=group, tag=tag, metered=metered)
     n = values.numel()
     return both[:n], -both[n:]
 
@@ -45,7 +46,7 @@ def verify_same_everywhere(comm: Comm, what: str, description: dict) -> None:
     """Raise ConfigError on every rank if ``description`` (JSON-able) differs between ranks."""
     digest = hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).digest()
     words = torch.tensor([int.from_bytes(digest[i:i + 3], "big") for i in range(0, 24, 3)], dtype=torch.float64)
-    hi, lo = _spread(comm, words)
+    hi, lo = spread_over_ranks(comm, words)
     if not torch.equal(hi, lo):
         raise ConfigError(
             f"{what} differs across ranks (same hook config, world layout and commhooks version are required on "
@@ -58,7 +59,7 @@ def verify_identical(comm: Comm, named: Sequence[Tuple[str, torch.Tensor]], when
     if comm.size == 1 or not named:
         return
     sums = torch.stack([torch.stack([t.detach().double().sum(), t.detach().double().abs().sum()]) for _, t in named])
-    hi, lo = _spread(comm, sums.reshape(-1))
+    hi, lo = spread_over_ranks(comm, sums.reshape(-1))
     differ = (hi != lo).reshape(-1, 2).any(dim=1)
     if bool(differ.any()):
         names = [n for (n, _), bad in zip(named, differ.tolist()) if bad]

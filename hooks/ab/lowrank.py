@@ -81,6 +81,14 @@ class Basis:
     def b_update(self, payload: torch.Tensor) -> torch.Tensor:
         return self.a @ payload
 
+    def payload(self, g: torch.Tensor, role: str) -> torch.Tensor:
+        """What a rank of ``role`` ("A" or "B") sends for the W-space gradient ``g``."""
+        return self.a_payload(g) if role == "A" else self.b_payload(g)
+
+    def update(self, payload: torch.Tensor, role: str) -> torch.Tensor:
+        """The W-space gradient of a rank of ``role`` from its (averaged) payload."""
+        return self.a_update(payload) if role == "A" else self.b_update(payload)
+
     # --- factor recovery for the with-stale sync --------------------------
     def factors_after(self, w: torch.Tensor, role: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """This rank's (A, B) after its phase, recovered from W by projection.

@@ -50,7 +50,7 @@ from .._version import __version__
 from ..averaging import average_, buffers_broadcast_each_forward, clear_optimizer_state, float_buffers
 from ..comm import Comm, Work
 from ..config import ABConfig, ConfigError, from_dict, load_config, to_dict
-from ..consistency import guard_gradients, nonfinite_anywhere, verify_identical, verify_same_everywhere
+from ..consistency import guard_gradients, nonfinite_anywhere, spread_over_ranks, verify_identical, verify_same_everywhere
 from .groups import make_groups
 from .lowrank import Basis, basis_from_svd, choose_rank, compression_ratio, svd, tall_view
 from .schedule import AB, ENTER, SYNC, Clock, ab_phase_length, apply, events_before, needs_length
@@ -189,7 +189,7 @@ class ABState:
                 basis = self.bases.get(self._name.get(id(p), ""))
                 if basis is not None:
                     gm, _ = tall_view(g)
-                    gm.copy_(basis.a_update(basis.a_payload(gm)) if self.role == "A" else basis.b_update(basis.b_payload(gm)))
+                    gm.copy_(basis.update(basis.payload(gm, self.role), self.role))
             return Work(lambda: grads)
         payloads, expand = [], []
         for g, p in zip(grads, params):
@@ -198,14 +198,14 @@ class ABState:
                 payloads.append(g)  # dense: averaged inside the group
                 continue
             gm, _ = tall_view(g)
-            payload = basis.a_payload(gm) if self.role == "A" else basis.b_payload(gm)
+            payload = basis.payload(gm, self.role)
             payloads.append(payload)
             expand.append((gm, basis, payload))
         work = self.comm.allreduce(payloads, op="mean", group=self.group, async_op=True, tag="ab-grad")
 
         def to_w_space(reduced):
             for gm, basis, payload in expand:
-                gm.copy_(basis.a_update(payload) if self.role == "A" else basis.b_update(payload))
+                gm.copy_(basis.update(payload, self.role))
             return grads
 
         return work.then(to_w_space)
@@ -247,9 +247,7 @@ class ABState:
         sums = torch.tensor(
             [float(t.double().sum()) for n in names for t in (self.bases[n].a, self.bases[n].b)], dtype=torch.float64
         )
-        spread = torch.cat([sums, -sums])
-        self.comm.allreduce([spread], op="max", tag="basis")
-        hi, lo = spread[: len(sums)], -spread[len(sums):]
+        hi, lo = spread_over_ranks(self.comm, sums, tag="basis", metered=True)
         differ = [n for i, n in enumerate(names) if bool((hi[2 * i : 2 * i + 2] != lo[2 * i : 2 * i + 2]).any())]
         if differ:
             tensors = [t for n in differ for t in (self.bases[n].a, self.bases[n].b, self.bases[n].s)]
