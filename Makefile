@@ -3,7 +3,7 @@
 VENV   ?= .venv
 export OMP_NUM_THREADS ?= 1
 NPROC  ?= 2
-TRAIN  := $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m commhooks.train
+TRAIN  := $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m commhooks.tools.train
 DEMO   := results/demo
 
 .PHONY: install demo test bench clean

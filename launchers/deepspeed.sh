@@ -15,5 +15,5 @@ DS_CONFIG=${DS_CONFIG:-configs/ds_ab_mnist1d.json}
 MASTER_PORT=${MASTER_PORT:-29512}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export COMMHOOKS_CACHE=${COMMHOOKS_CACHE:-$PWD/.cache}   # DeepSpeed's JIT ops are built under it
-exec .venv/bin/deepspeed --num_gpus "$NUM_GPUS" --master_port "$MASTER_PORT" --module commhooks.train \
+exec .venv/bin/deepspeed --num_gpus "$NUM_GPUS" --master_port "$MASTER_PORT" --module commhooks.tools.train \
     --backend deepspeed --deepspeed_config "$DS_CONFIG" "$@"

@@ -13,5 +13,5 @@ HOSTS=${HOSTS:-localhost:$NP}
 HOOK=${HOOK:-ab}
 CONFIG=${CONFIG:-configs/ab_mnist1d.json}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec .venv/bin/horovodrun -np "$NP" -H "$HOSTS" --gloo .venv/bin/python -m commhooks.train \
+exec .venv/bin/horovodrun -np "$NP" -H "$HOSTS" --gloo .venv/bin/python -m commhooks.tools.train \
     --backend horovod --hook "$HOOK" --config "$CONFIG" "$@"

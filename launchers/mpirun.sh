@@ -17,7 +17,7 @@ CONFIG=${CONFIG:-configs/qsr_mnist1d.json}
 MPIRUN=${MPIRUN:-.venv/bin/mpirun}
 PY=${PY:-$PWD/.venv/bin/python}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-TRAIN=("$PY" -m commhooks.train --hook "$HOOK" --config "$CONFIG" "$@")
+TRAIN=("$PY" -m commhooks.tools.train --hook "$HOOK" --config "$CONFIG" "$@")
 
 if "$MPIRUN" --version 2>&1 | grep -qi "open mpi\|open-mpi\|openrte"; then
     flags=(-np "$NP" -x OMP_NUM_THREADS -x PATH)

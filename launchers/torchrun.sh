@@ -8,5 +8,5 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 NPROC=${NPROC:-2}
 HOOK=${HOOK:-qsr}
 CONFIG=${CONFIG:-configs/qsr_mnist1d.json}
-exec .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" -m commhooks.train \
+exec .venv/bin/torchrun --standalone --nproc_per_node "$NPROC" -m commhooks.tools.train \
     --hook "$HOOK" --config "$CONFIG" "$@"

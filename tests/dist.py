@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -23,13 +22,9 @@ from pathlib import Path
 
 import torch
 
+from commhooks.launch import free_port
+
 COLLECTIVE_TIMEOUT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(fn, rank, world, port, outdir, kwargs, env):
@@ -78,7 +73,7 @@ class RankError(AssertionError):
 def run_ranks(fn, world_size: int = 2, timeout: float = 120.0, env=None, **kwargs):
     """Run ``fn`` on ``world_size`` ranks; return the list of their return values."""
     ctx = mp.get_context("spawn")
-    port = free_port()
+    port = free_port("127.0.0.1")
     with tempfile.TemporaryDirectory() as outdir:
         procs = [
             ctx.Process(target=_entry, args=(fn, r, world_size, port, outdir, kwargs, env or {}), daemon=True)

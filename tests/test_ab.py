@@ -10,9 +10,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
-from commhooks.ab import choose_rank, compression_ratio, phases, tall_view
-from commhooks.ab.groups import make_groups
-from commhooks.ab.lowrank import Basis
+from commhooks.algorithms.ab import choose_rank, compression_ratio, phases, tall_view
+from commhooks.algorithms.ab.groups import make_groups
+from commhooks.algorithms.ab.lowrank import Basis
 from commhooks.config import ABConfig, ConfigError
 from tests.ab_reference import FactorReference
 from tests.dist import run_ranks

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
-from commhooks.ab import phases
+from commhooks.algorithms.ab import phases
 from commhooks.config import ABConfig, ConfigError
 from tests.dist import run_ranks
 from tests.test_ab import batch, mlp, weights
@@ -166,7 +166,7 @@ def train(args, tmp_path, name):
     out = tmp_path / f"{name}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"))
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "commhooks.train",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "commhooks.tools.train",
          "--no-progress", "--json-out", str(out), *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )

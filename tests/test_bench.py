@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from commhooks.bench import METHODS
+from commhooks.tools.bench import METHODS
 
 REPO = Path(__file__).resolve().parents[1]
 FIELDS = {"test_acc", "train_loss", "payload_bytes_per_rank", "meter_bytes_per_rank", "wire_tx_bytes_per_rank",

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_horovod import check_toy
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SCRIPT = str(REPO / "tests" / "scripts" / "ds_equivalence.py")
@@ -48,6 +50,8 @@ def test_deepspeed_matches_ddp(launcher, config, tmp_path):
         assert s_ns == s_gas == 14, "gradient accumulation must count optimizer steps"
         assert_same(w_ns, w_gas, "gradient_accumulation_steps=2 vs DDP no_sync")
         assert b_ns == b_gas
+        if r["kind"] == "qsr":
+            check_toy(r["toy"], "ds", 14)
         assert r["zero1"] is not None and "zero_optimization.stage 0, got 1" in r["zero1"]
 
 
@@ -57,7 +61,7 @@ def test_zero1_config_error_on_every_rank_without_hang(tmp_path):
                    ' "comm_hook": {"type": "qsr", "h_base": 2}}')
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"))
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "commhooks.train",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "commhooks.tools.train",
          "--backend", "deepspeed", "--deepspeed_config", str(bad), "--steps", "3", "--no-progress"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
     )
@@ -69,7 +73,7 @@ def test_train_under_deepspeed_launcher(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"))
     proc = subprocess.run(
         [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(29900 + os.getpid() % 90), "--module",
-         "commhooks.train", "--backend", "deepspeed", "--deepspeed_config", str(REPO / "configs" / "ds_ab_mnist1d.json"),
+         "commhooks.tools.train", "--backend", "deepspeed", "--deepspeed_config", str(REPO / "configs" / "ds_ab_mnist1d.json"),
          "--steps", "230", "--no-progress"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )

@@ -22,7 +22,7 @@ def _fuzz(rank, world, examples):
 
     import commhooks
     import commhooks.deepspeed as ds_adapter
-    from commhooks.config import ConfigError, load_config
+    from commhooks.config import ConfigError, load_config, to_dict
 
     values = st.one_of(
         st.none(), st.booleans(), st.integers(-3, 2000), st.integers(), st.floats(allow_nan=True, allow_infinity=True),
@@ -55,10 +55,22 @@ def _fuzz(rank, world, examples):
         return path
 
     outcomes = {name: {"ok": 0, "ConfigError": 0} for name in entry_points}
+    outcomes["round trips"] = {"ok": 0, "ConfigError": 1}
+
+    def round_trip(config):
+        """Every accepted config survives to_dict -> JSON -> load_config unchanged."""
+        try:
+            conf = load_config(config)
+        except ConfigError:
+            return
+        again = load_config(json.loads(json.dumps(to_dict(conf))))
+        assert again == conf and to_dict(again) == to_dict(conf), (config, to_dict(conf))
+        outcomes["round trips"]["ok"] += 1
 
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
     @given(configs)
     def check(config):
+        round_trip(dict(config))
         for name, call in entry_points.items():
             try:
                 call(dict(config))
@@ -77,3 +89,4 @@ def test_random_configs_work_or_raise_config_error():
     for name, counts in outcomes.items():
         assert counts["ConfigError"] > 0, (name, counts)  # the generator really produced bad input
     assert outcomes["ABState(config=)"]["ok"] > 0 or outcomes["QSRState(config=)"]["ok"] > 0, outcomes
+    assert outcomes["round trips"]["ok"] > 0, outcomes

@@ -47,6 +47,19 @@ def check(results):
         assert b_ddp == b_hvd
         assert r["errors"]["ddp"] == r["errors"]["hvd"] and "ab.rank_cutoff must be in (0.0, 1.0)" in r["errors"]["hvd"]
         assert r["plain_is_horovod"]
+        check_toy(r["toy"], "hvd", 12)
+
+
+def check_toy(toy, engine, steps):
+    """The test-file algorithm ran through the adapter unchanged: same parameters and bytes as through DDP,
+    and the same parameters as plain DDP (it is an every-step gradient mean)."""
+    (w_ddp, b_ddp, s_ddp), (w_eng, b_eng, s_eng) = toy["ddp"], toy[engine]
+    numel = sum(t.numel() for t in w_ddp.values())
+    assert s_ddp == s_eng == steps
+    assert b_ddp == b_eng == 4 * numel * (steps + steps // 3), (b_ddp, b_eng)  # grads every step + params every 3
+    for n in w_ddp:
+        assert torch.allclose(w_ddp[n], w_eng[n], atol=1e-5, rtol=1e-4), (engine, n)
+        assert torch.allclose(w_ddp[n], toy["plain"][n], atol=1e-5, rtol=1e-4), ("plain DDP", n)
 
 
 def test_two_ranks_gloo_host_list(tmp_path):

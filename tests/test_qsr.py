@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
 from commhooks.config import QSRConfig
-from commhooks.qsr import qsr_period
+from commhooks.algorithms.qsr import qsr_period
 from tests.dist import run_ranks
 
 IN, OUT = 8, 4

@@ -18,7 +18,7 @@ import commhooks
 from commhooks.comm import CollectiveError
 from commhooks.comm.torch_dist import TorchComm
 from commhooks.config import ConfigError
-from commhooks.consistency import DivergenceError, NonFiniteError
+from commhooks.algorithms.consistency import DivergenceError, NonFiniteError
 from tests.dist import run_ranks
 from tests.test_ab import batch, mlp, weights
 
@@ -111,7 +111,7 @@ def worker_pids(marker):
             continue
         try:
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            if marker not in cmd or "torch.distributed.run" in cmd or "-m commhooks.train" not in cmd:
+            if marker not in cmd or "torch.distributed.run" in cmd or "-m commhooks.tools.train" not in cmd:
                 continue
             env = dict(kv.split("=", 1) for kv in (proc / "environ").read_bytes().decode().split("\0") if "=" in kv)
             pids[int(env["RANK"])] = int(proc.name)
@@ -124,7 +124,7 @@ def torchrun_train(tmp_path, name, extra, restarts=0):
     out = tmp_path / f"{name}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--max-restarts", str(restarts), "-m", "commhooks.train", "--hook", "qsr", "--config",
+           "--max-restarts", str(restarts), "-m", "commhooks.tools.train", "--hook", "qsr", "--config",
            str(REPO / "configs" / "qsr_mnist1d.json"), "--steps", "600", "--no-progress", "--json-out", str(out), *extra]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out
 
@@ -168,7 +168,7 @@ def _mismatched(rank, world, what):
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     settings = {"h_base": 2 + rank} if what == "config" else {"h_base": 2}
     if what == "version" and rank == 1:
-        commhooks.qsr.__version__ = "0.0.0-other"
+        commhooks.algorithms.base.__version__ = "0.0.0-other"
     try:
         commhooks.QSRState(opt, model=net, **settings)
     except ConfigError as exc:
@@ -267,7 +267,7 @@ def _nan_gradient(rank, world, policy):
 
 def test_nan_gradient_raises_naming_the_parameter_and_the_others_time_out():
     (kind0, msg0, _), (kind1, msg1, t1) = run_ranks(_nan_gradient, 2, timeout=90, policy="raise")
-    assert kind0 == "NonFiniteError" and "NaN or Inf gradient at optimizer step 2 on rank 0 in: module.0.weight" in msg0
+    assert kind0 == "NonFiniteError" and "NaN or Inf gradient at optimizer step 2 on rank 0 in: 0.weight" in msg0
     # rank 1 went on to the sync at step 4 and, with rank 0 gone, fails there instead of hanging
     assert kind1 == "CollectiveError" and "allreduce 'sync'" in msg1 and "group world" in msg1, msg1
     assert t1 < 40

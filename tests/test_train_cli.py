@@ -13,7 +13,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 def torchrun(args, tmp_path, timeout=180):
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"))
     return subprocess.run(
-        TORCHRUN + ["-m", "commhooks.train", "--no-progress", *args],
+        TORCHRUN + ["-m", "commhooks.tools.train", "--no-progress", *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
     )
 
@@ -47,10 +47,10 @@ def test_train_ab_prints_report_and_meters_phases(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "AB report: step 30" in proc.stdout and "overall parameter compression" in proc.stdout
     summary = json.loads(out.read_text())
-    tags = summary["ab_report"]["bytes_by_tag"]
+    tags = summary["report"]["bytes_by_tag"]
     assert tags["ab-grad"] > 0 and tags["full-grad"] > 0 and tags["sync"] > 0
     assert summary["bytes_per_rank"] == sum(tags.values())
-    head = next(layer for layer in summary["ab_report"]["layers"] if layer["name"] == "head.1.weight")
+    head = next(layer for layer in summary["report"]["layers"] if layer["name"] == "head.1.weight")
     assert head["rank"] is not None and head["compression"] >= 2.0
 
 

@@ -37,3 +37,15 @@ def ddp_train(conf, steps, batch, passes=1, mean_over_passes=True):
                 (F.cross_entropy(net(x), y) * scale).backward()
         opt.step()
     return {n: t.detach().clone() for n, t in net.module.named_parameters()}, state.meter.bytes(), state.step
+
+
+def plain_ddp_train(steps, batch):
+    """The MLP under plain DDP, no hook: what an every-step gradient mean must reproduce."""
+    net = DDP(mlp())
+    opt = torch.optim.SGD(net.parameters(), **SGD)
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step, 0)
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+    return {n: t.detach().clone() for n, t in net.module.named_parameters()}

@@ -14,7 +14,8 @@ import json
 
 import torch
 import torch.nn.functional as F
-from common import SGD, ddp_train, mlp
+from common import SGD, ddp_train, mlp, plain_ddp_train
+from toy_algorithm import TOY
 
 import commhooks.deepspeed as ds_adapter
 from commhooks.config import ConfigError, load_config, to_dict
@@ -73,6 +74,10 @@ if hook.kind == "ab":
     variants["ab-x-qsr"] = load_config({**to_dict(hook), "sync_rule": "qsr", "alpha": 0.1, "h_base": 3})
 for name, conf in variants.items():
     result["runs"][name] = {"ddp": ddp_run(conf, 1), "ds": ds_run(conf, 1)}
+if hook.kind == "qsr":  # one launcher run proves the third, unknown algorithm too
+    toy = load_config(TOY)
+    result["toy"] = {"ddp": ddp_run(toy, 1), "ds": ds_run(toy, 1),
+                     "plain": plain_ddp_train(args.steps, lambda step, m: batch(step, m, 16))}
 result["accumulation"] = {"ddp_no_sync": ddp_run(hook, 2), "ds_gas2": ds_run(hook, 2)}
 try:
     ds_run(hook, 1, zero_stage=1)

@@ -14,7 +14,8 @@ import horovod.torch as hvd
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import SGD, ddp_train, mlp
+from common import SGD, ddp_train, mlp, plain_ddp_train
+from toy_algorithm import TOY
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
@@ -71,6 +72,7 @@ def hvd_run(conf, passes):
 result = {"world": hvd.size(), "runs": {}}
 for name, conf in VARIANTS.items():
     result["runs"][name] = {"ddp": ddp_run(conf, 1), "hvd": hvd_run(conf, 1)}
+result["toy"] = {"ddp": ddp_run(TOY, 1), "hvd": hvd_run(TOY, 1), "plain": plain_ddp_train(args.steps, batch)}
 result["passes2"] = {"ddp": ddp_run(VARIANTS["ab-groups"], 2), "hvd": hvd_run(VARIANTS["ab-groups"], 2)}
 
 bad = {"type": "ab", "rank_cutoff": 1.5}

@@ -1,8 +1,12 @@
 """AB-training: low-rank factors trained by independent groups (arXiv 2405.01067)."""
 
+from ...registry import register_algorithm
+from .config import ABConfig
 from .lowrank import Basis, choose_rank, compression_ratio, tall_view
 from .rebound import LRRebound
 from .schedule import phases
 from .state import ABState
 
-__all__ = ["ABState", "LRRebound", "Basis", "choose_rank", "compression_ratio", "tall_view", "phases"]
+register_algorithm(ABConfig, ABState)
+
+__all__ = ["ABConfig", "ABState", "LRRebound", "Basis", "choose_rank", "compression_ratio", "tall_view", "phases"]

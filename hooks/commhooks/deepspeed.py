@@ -1,4 +1,4 @@
-"""DeepSpeed adapter: AB and QSR inside a DeepSpeed engine, configured from its JSON.
+"""DeepSpeed adapter: any commhooks algorithm inside a DeepSpeed engine, configured from its JSON.
 
 DeepSpeed has no comm-hook API.  This adapter takes over gradient
 communication at the gradient-accumulation boundary: it turns off
@@ -31,17 +31,13 @@ optimizer the hooks attach to; they are refused the same way for now.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
+from . import registry
+from .algorithms.base import engine_facts
 from .config import ConfigError, load_config, read_json
-
-# DeepSpeed JIT-compiles its ops on first use; keep them in the project's cache, not ~/.cache.
-os.environ.setdefault(
-    "TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("COMMHOOKS_CACHE", ".cache")).resolve() / "torch_extensions")
-)
 
 
 def read_ds_config(config) -> dict:
@@ -83,7 +79,7 @@ class _BoundaryReducer:
         engine.step = self.step  # instance attribute: shadows the method for this engine only
 
     def step(self, *args, **kwargs):
-        if self.engine.is_gradient_accumulation_boundary() and hasattr(self.state, "reduce_gradients"):
+        if self.engine.is_gradient_accumulation_boundary() and self.state.reduces_gradients:
             for p in self.params:
                 if p.grad is None:  # every rank must send the same tensors
                     p.grad = torch.zeros_like(p)
@@ -109,15 +105,9 @@ def attach(engine, config=None, process_group=None):
     if conf is None:
         engine.comm_hook_state = None
         return None
-    optimizer = engine.optimizer
-    if conf.kind == "qsr":
-        from .qsr import QSRState
-
-        state = QSRState(optimizer, model=engine.module, process_group=process_group, config=conf)
-    else:
-        from .ab import ABState
-
-        state = ABState(engine.module, optimizer, process_group=process_group, config=conf)
+    state_class = registry.for_config(conf).state_class
+    state = state_class(optimizer=engine.optimizer, model=engine.module, engine=engine_facts(engine.module),
+                        process_group=process_group, config=conf)
     _BoundaryReducer(engine, state)
     engine.comm_hook_state = state
     return state

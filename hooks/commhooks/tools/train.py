@@ -1,8 +1,8 @@
 """Reference trainer: MNIST-1D across the ranks of whatever launcher started it.
 
-    torchrun --standalone --nproc_per_node 2 -m commhooks.train --hook qsr --config configs/qsr_mnist1d.json
-    deepspeed --num_gpus 2 --module commhooks.train --backend deepspeed --deepspeed_config configs/ds_ab_mnist1d.json
-    horovodrun -np 2 -H localhost:2 --gloo python -m commhooks.train --backend horovod --hook ab --config configs/ab_mnist1d.json
+    torchrun --standalone --nproc_per_node 2 -m commhooks.tools.train --hook qsr --config configs/qsr_mnist1d.json
+    deepspeed --num_gpus 2 --module commhooks.tools.train --backend deepspeed --deepspeed_config configs/ds_ab_mnist1d.json
+    horovodrun -np 2 -H localhost:2 --gloo python -m commhooks.tools.train --backend horovod --hook ab --config configs/ab_mnist1d.json
 
 Prints one summary line per run (rank 0) and, with ``--json-out``, writes it
 as JSON for ``commhooks table``.
@@ -25,24 +25,26 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import config as cfg
-from . import ddp as ddp_adapter
-from .ab import LRRebound
-from .checkpoint import load_checkpoint, save_checkpoint
+from .. import config as cfg
+from .. import ddp as ddp_adapter
+from .. import registry
+from ..checkpoint import load_checkpoint, save_checkpoint
 from .anchors import ANCHORS, register_anchor
 from .data import load_mnist1d, rank_batches
-from .launch import LaunchError, init_distributed, shutdown
+from ..algorithms.base import AlgorithmState
+from ..launch import LaunchError, init_distributed, shutdown
 from .measure import PayloadCounter, iface_bytes
 from .models import build_model
 
-HOOKS = ("none", "qsr", "ab") + ANCHORS
+HOOKS = ("none", *registry.names()) + ANCHORS
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="commhooks train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hook", choices=HOOKS, default="none",
-                   help="communication method: none = plain allreduce; qsr, ab = commhooks; "
-                        "fp16, powersgd, local-sgd, compute-only = PyTorch's own, for comparison (DDP only)")
+    p.add_argument("--hook", choices=HOOKS, default=None,
+                   help="communication method: none = plain allreduce; " + ", ".join(registry.names()) + " = commhooks; "
+                        "fp16, powersgd, local-sgd, compute-only = PyTorch's own, for comparison (DDP only); "
+                        "default: the type of --config, else none")
     p.add_argument("--config", help="hook settings: JSON file (configs/...) with the fields of the hook's config")
     p.add_argument("--backend", choices=("ddp", "deepspeed", "horovod"), default="ddp", help="engine the hook plugs into")
     p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
@@ -106,12 +108,23 @@ def wrap_ddp(model, local_buffers: bool) -> DDP:
 
 
 def hook_config(args):
-    """The hook's config: the JSON file if given, else defaults; total_steps filled from --steps."""
+    """The hook's config: the JSON file if given (its type names the hook when --hook is not given), else the
+    hook's defaults; total_steps filled from --steps."""
+    if args.hook is None:
+        args.hook = "none" if args.config is None else None
     if args.hook == "none" or args.hook in ANCHORS:
         return None
     conf = cfg.load_config(args.config, kind=args.hook) if args.config else cfg.from_dict({}, kind=args.hook)
-    if getattr(conf, "total_steps", "absent") is None:
-        conf.total_steps = args.steps
+    if conf is None:
+        raise cfg.ConfigError(f"--config {args.config} has type 'none': leave out --config or pass --hook none")
+    args.hook = conf.kind
+    return fill_total_steps(conf, args.steps)
+
+
+def fill_total_steps(conf, steps: int):
+    """A config whose ``total_steps`` key is unset gets the run's length (a rule then never runs past the end)."""
+    if conf is not None and "total_steps" in type(conf).model_fields and conf.total_steps is None:
+        conf.total_steps = steps
     return conf
 
 
@@ -125,7 +138,7 @@ def accuracy(model, x, y) -> float:
 
 def deepspeed_config(args, conf) -> dict:
     """The DeepSpeed config: the file's (whose ``comm_hook`` section wins), completed from the command line."""
-    from . import deepspeed as ds_adapter
+    from .. import deepspeed as ds_adapter
 
     ds = ds_adapter.read_ds_config(args.deepspeed_config)
     ds.setdefault("train_micro_batch_size_per_gpu", args.batch_size)
@@ -140,15 +153,13 @@ def deepspeed_config(args, conf) -> dict:
 def resolve_hook(args):
     """The hook's config (validated before any collective, so every rank raises the same error)."""
     if args.backend == "deepspeed" and args.deepspeed_config:
-        from .deepspeed import read_ds_config
+        from ..deepspeed import read_ds_config
 
         section = read_ds_config(args.deepspeed_config).get("comm_hook")
         if section is not None:
             conf = cfg.load_config({"comm_hook": section})
             args.hook = "none" if conf is None else conf.kind
-            if getattr(conf, "total_steps", "absent") is None:
-                conf.total_steps = args.steps
-            return conf
+            return fill_total_steps(conf, args.steps)
     return hook_config(args)
 
 
@@ -167,7 +178,7 @@ def build_trainer(args, model, conf):
     elif args.backend == "horovod":
         import horovod.torch as hvd
 
-        from . import horovod as hvd_adapter
+        from .. import horovod as hvd_adapter
 
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         optimizer = hvd_adapter.DistributedOptimizer(
@@ -176,8 +187,10 @@ def build_trainer(args, model, conf):
         state = getattr(optimizer, "comm_hook_state", None)  # None: Horovod's own allreduce, unmetered
         forward, step = model, lambda: optimizer.step()
     else:
-        from . import deepspeed as ds_adapter
+        from .. import deepspeed as ds_adapter
 
+        # DeepSpeed JIT-compiles its ops on first use: keep them in the project's cache, not ~/.cache
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(args.cache_dir).resolve() / "torch_extensions"))
         ds = deepspeed_config(args, conf)
         optimizer = build_optimizer(args.optimizer, model.parameters(), args.lr, args.momentum, args.weight_decay)
         engine, *_ = ds_adapter.initialize(model=model, optimizer=optimizer, config=ds)
@@ -185,8 +198,8 @@ def build_trainer(args, model, conf):
         forward, backward, step = engine, engine.backward, engine.step
         micro, accumulation = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
     scheduler = cosine_with_warmup(optimizer, args.lr_warmup, args.steps)
-    if conf is not None and conf.kind == "ab" and conf.rebound_steps > 0:
-        scheduler = LRRebound(scheduler, state)
+    if isinstance(state, AlgorithmState):
+        scheduler = state.wrap_scheduler(scheduler)
 
     def train_step(batches):
         losses = []
@@ -209,7 +222,7 @@ def build_trainer(args, model, conf):
 def start(args):
     """Bring up the backend's ranks: (rank, world, mean_over_ranks, finish)."""
     if args.backend == "horovod":
-        from . import horovod as hvd_adapter
+        from .. import horovod as hvd_adapter
 
         hvd = hvd_adapter.init(resolve_hook(args))  # static process sets for the AB groups
         return hvd.rank(), hvd.size(), (lambda t: hvd.allreduce(t, op=hvd.Average, name="metric")), hvd.shutdown
@@ -290,14 +303,14 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         "step_ms": round(1000 * wall / max(1, args.steps - first_step), 3),
         "resumed_from": first_step,
         "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
-        "syncs": getattr(state, "syncs", None if args.hook in ANCHORS else args.steps),
+        "syncs": state.syncs if isinstance(state, AlgorithmState) else (None if args.hook in ANCHORS else args.steps),
         "wall_s": round(wall, 2),
         "config": cfg.to_dict(conf),
     }
-    if hasattr(state, "report"):
-        summary["ab_report"] = state.report()
+    if isinstance(state, AlgorithmState):
+        summary["report"] = state.report()
     if rank == 0:
-        if hasattr(state, "format_report"):
+        if isinstance(state, AlgorithmState):
             print(state.format_report(), flush=True)
         print(format_summary(summary), flush=True)
     if args.json_out and (rank == 0 or "{rank}" in args.json_out):  # "{rank}": one file per rank

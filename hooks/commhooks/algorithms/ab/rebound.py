@@ -32,7 +32,6 @@ class LRRebound:
             raise ValueError(f"rebound_steps must be >= 0, got {self.rebound_steps}")
         self.floor_lr = floor_lr
         self._scheduled: List[float] = [g["lr"] for g in self.optimizer.param_groups]
-        state.scheduled_lr = lambda: self._scheduled[0]  # the QSR sync rule reads the lr without the ramp
         self._apply()
 
     def factor(self) -> float:
@@ -42,8 +41,11 @@ class LRRebound:
         return min(1.0, (self.state.step - self.state.last_switch) / self.rebound_steps)
 
     def _apply(self) -> None:
+        """Set each group's ramped ``lr``; ``scheduled_lr`` keeps the schedule's value, which a sync rule
+        reads (:meth:`AlgorithmState.lr`) so the ramp does not stretch the period."""
         f = self.factor()
         for group, lr in zip(self.optimizer.param_groups, self._scheduled):
+            group["scheduled_lr"] = lr
             group["lr"] = lr if f >= 1.0 else self.floor_lr + (lr - self.floor_lr) * f
 
     def step(self) -> None:

@@ -21,8 +21,8 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from .comm import Comm
-from .config import ConfigError
+from ..comm import Comm
+from ..config import ConfigError
 
 
 class DivergenceError(RuntimeError):

@@ -7,7 +7,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from .comm import Comm
+from ..comm import Comm
 
 OPTIMIZER_STATE_FIELDS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
 
@@ -33,14 +33,6 @@ def average_(comm: Comm, tensors: Iterable[torch.Tensor], group=None, tag: str =
     with torch.no_grad():
         for same_kind in buckets.values():
             comm.allreduce([t.data for t in same_kind], op="mean", group=group, tag=tag)
-
-
-def buffers_broadcast_each_forward(model) -> bool:
-    """Whether a DDP model re-broadcasts buffers on every forward (both torch spellings)."""
-    flag = getattr(model, "forward_sync_buffers", None)
-    if flag is None:
-        flag = getattr(model, "broadcast_buffers", False)
-    return bool(flag)
 
 
 def clear_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:

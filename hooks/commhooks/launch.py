@@ -36,6 +36,8 @@ from typing import List, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from .algorithms.base import register_engine_facts
+
 
 class LaunchError(RuntimeError):
     """The launcher's environment is missing a variable or contradicts itself."""
@@ -73,44 +75,17 @@ def _int(env: Mapping[str, str], key: str, source: str) -> int:
 
 
 def parse_nodelist(nodelist: str) -> List[str]:
-    """Expand a SLURM node list: ``node[01-04,07],gpu3`` -> node01 .. node04, node07, gpu3.
+    """Expand a SLURM node list: ``node[01-04,07],gpu3`` -> node01 .. node04, node07, gpu3 (python-hostlist).
 
     Zero padding is kept; several bracket groups in one name (``r[1-2]n[3,5]``)
     expand as a product.
     """
-    hosts: List[str] = []
-    depth, start = 0, 0
-    for i, ch in enumerate(nodelist + ","):
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            if nodelist[start:i]:
-                hosts += _expand_host(nodelist[start:i])
-            start = i + 1
-    if depth != 0:
-        raise LaunchError(f"SLURM_JOB_NODELIST has unbalanced brackets: {nodelist!r}")
-    return hosts
+    import hostlist
 
-
-def _expand_host(pattern: str) -> List[str]:
-    m = re.search(r"\[([^\]]*)\]", pattern)
-    if m is None:
-        return [pattern]
-    head, tail = pattern[: m.start()], pattern[m.end():]
-    out = []
-    for part in m.group(1).split(","):
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            if not (lo.isdigit() and hi.isdigit()) or int(lo) > int(hi):
-                raise LaunchError(f"SLURM_JOB_NODELIST has a bad range {part!r} in {pattern!r}")
-            width = len(lo)
-            names = [str(n).zfill(width) for n in range(int(lo), int(hi) + 1)]
-        else:
-            names = [part]
-        out += [head + n + t for n in names for t in _expand_host(tail)]
-    return out
+    try:
+        return hostlist.expand_hostlist(nodelist)
+    except hostlist.BadHostlist as exc:
+        raise LaunchError(f"SLURM_JOB_NODELIST {nodelist!r} cannot be expanded: {exc}") from None
 
 
 def parse_tasks_per_node(spec: str) -> List[int]:
@@ -184,9 +159,22 @@ def discover(env: Optional[Mapping[str, str]] = None) -> Optional[Placement]:
     return placement
 
 
-def _free_port() -> int:
+def _launch_facts(model) -> Optional[dict]:
+    """Ranks per node, for the algorithms' engine facts (see :func:`commhooks.algorithms.base.engine_facts`)."""
+    try:
+        p = discover()
+    except LaunchError:
+        return None
+    return None if p is None else {"local_world_size": p.local_world_size}
+
+
+register_engine_facts(_launch_facts)
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port free right now on ``host`` (the one helper for rendezvous, the benchmark and the tests)."""
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -206,7 +194,7 @@ def _fill_rendezvous_with_mpi(p: Placement) -> None:
             "mpi4py is using another MPI library than the launcher (set MPI4PY_LIBMPI to the launcher's "
             "libmpi.so), or export MASTER_ADDR and MASTER_PORT"
         )
-    mine = (socket.gethostname(), _free_port()) if p.rank == 0 else None
+    mine = (socket.gethostname(), free_port()) if p.rank == 0 else None
     host, port = comm.bcast(mine, root=0)
     if p.master_addr is None:
         p.master_addr = "127.0.0.1" if p.local_world_size == p.world_size else host
@@ -226,7 +214,7 @@ def _fill_rendezvous_with_horovod(p: Placement) -> None:
     """Under horovodrun (gloo), once hvd.init() ran: rank 0's host and free port, via hvd.broadcast_object."""
     import horovod.torch as hvd
 
-    mine = (socket.gethostname(), _free_port()) if p.rank == 0 else None
+    mine = (socket.gethostname(), free_port()) if p.rank == 0 else None
     # an explicit name: by default Horovod names the op after type(obj), which differs on the non-root ranks
     host, port = hvd.broadcast_object(mine, root_rank=0, name="commhooks.rendezvous")
     if p.master_addr is None:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, List, Optional
 
-from ..config import ABConfig
-from ..qsr import NEVER, quadratic_rule
+from ..rule import rule_period
+from .config import ABConfig
 
 WARMUP, AB, FULL = "warmup", "ab", "full"
 SYNC, ENTER = "sync", "enter"
@@ -68,11 +68,7 @@ def apply(event: str, t: int, clock: Clock) -> None:
 
 def ab_phase_length(t: int, lr: float, config: ABConfig) -> int:
     """Length of the AB phase starting at ``t`` under the qsr rule: ``H - F``, capped, at least 1."""
-    h = quadratic_rule(lr, config.alpha, config.period_base, config.power)
-    length = h - config.full_rank_steps
-    if config.total_steps is not None:
-        length = min(length, config.total_steps - t)
-    return max(1, int(min(length, NEVER)))
+    return rule_period(t, lr, config, config.period_base, shorten_by=config.full_rank_steps)
 
 
 def needs_length(clock: Clock, config: ABConfig) -> bool:

@@ -14,12 +14,19 @@ from __future__ import annotations
 ANCHORS = ("fp16", "powersgd", "local-sgd", "compute-only")
 
 
+def keep_local_hook(state, bucket):
+    """A DDP hook that keeps each rank's own gradients (no communication at all)."""
+    import torch
+
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def register_anchor(method: str, ddp_model, optimizer, powersgd_rank: int = 4, local_period: int = 8, start_iter: int = 50):
     """Register ``method`` on ``ddp_model``; returns its state (no commhooks meter)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-
-    from .ddp import qsr_hook
 
     if method == "fp16":
         ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -37,6 +44,6 @@ def register_anchor(method: str, ddp_model, optimizer, powersgd_rank: int = 4, l
         optimizer.register_step_post_hook(lambda opt, args, kwargs: averager.average_parameters(ddp_model.parameters()))
         return state
     if method == "compute-only":
-        ddp_model.register_comm_hook(None, qsr_hook)  # keeps the local gradients; nothing is ever synced
+        ddp_model.register_comm_hook(None, keep_local_hook)  # nothing is ever synced
         return None
     raise ValueError(f"unknown anchor method {method!r}; choose from {ANCHORS}")

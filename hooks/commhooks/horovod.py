@@ -2,7 +2,7 @@
 
 One changed line for a Horovod user::
 
-    commhooks.horovod.init(config)                     # was: hvd.init()  (adds the AB process sets)
+    commhooks.horovod.init(config)                     # was: hvd.init()  (adds the process sets the algorithm needs)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     optimizer = commhooks.horovod.DistributedOptimizer(   # was: hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), hook="configs/ab_mnist1d.json")
@@ -16,9 +16,10 @@ clipping, ``zero_grad()`` refusing to run with reductions in flight.  As in
 Horovod, each parameter's reduction starts from a hook as soon as its
 gradient is accumulated (``register_post_accumulate_grad_hook``), so
 communication overlaps the rest of the backward pass; ``step()`` waits for
-them in an optimizer pre-hook.  QSR starts none (local steps) and averages
-the parameters after the H-th step; AB reduces each gradient as the phase
-says, inside the rank's AB group = a Horovod process set.
+them in an optimizer pre-hook.  Only an algorithm that declares
+``reduces_gradients`` gets gradients; a local method starts no reduction and
+averages the parameters from its own step hook.  An algorithm's groups are
+Horovod process sets.
 
 Without a hook (``hook=None`` or ``{"type": "none"}``) it returns Horovod's
 own ``hvd.DistributedOptimizer``.
@@ -27,26 +28,28 @@ own ``hvd.DistributedOptimizer``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Optional
 
 import torch
 
+from . import registry
+from .algorithms.base import engine_facts
 from .config import load_config
 
 
 def process_set_ranks(config, world_size: int, local_world_size: int):
-    """The rank lists of the process sets an AB config needs (groups of >= 2 ranks; [] otherwise)."""
+    """The rank lists of the static process sets ``config``'s algorithm will need (groups of >= 2 ranks,
+    short of the world), as the algorithm declares them."""
     conf = load_config(config)
-    if conf is None or conf.kind != "ab":
+    if conf is None:
         return []
-    from .ab.groups import make_groups
-
-    groups, _ = make_groups(conf, world_size, local_world_size)
+    groups = registry.for_config(conf).state_class.groups_needed(conf, world_size, local_world_size)
     return [list(g) for g in groups if 1 < len(g) < world_size]
 
 
 def init(config=None, **hvd_kwargs):
-    """``hvd.init()`` with static process sets for the AB groups of ``config`` (identical on every rank)."""
+    """``hvd.init()`` with static process sets for the groups ``config``'s algorithm needs (identical on every rank)."""
     import horovod.torch as hvd
 
     from .launch import discover
@@ -89,15 +92,12 @@ class _HookedOptimizer:
         self.register_step_pre_hook(lambda opt, args, kwargs: self._before_step())
         self.register_step_post_hook(lambda opt, args, kwargs: setattr(self, "_synchronized", False))
         comm = HorovodComm()
-        if conf.kind == "qsr":
-            from .qsr import QSRState
-
-            self.comm_hook_state = QSRState(self, model=model, comm=comm, config=conf)
-        else:
-            from .ab import ABState
-
-            self.comm_hook_state = ABState(model, self, named_parameters=named, comm=comm, config=conf)
-        self._reduces = hasattr(self.comm_hook_state, "reduce_gradients")
+        hvd = comm.hvd
+        engine = dataclasses.replace(engine_facts(model), local_world_size=hvd.local_size())
+        state_class = registry.for_config(conf).state_class
+        self.comm_hook_state = state_class(optimizer=self, model=model, named_parameters=named, engine=engine,
+                                           comm=comm, config=conf)
+        self._reduces = state_class.reduces_gradients
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._params] if self._reduces else []
 
     def _start(self, p):
@@ -160,10 +160,10 @@ def DistributedOptimizer(
 ):
     """Horovod's ``DistributedOptimizer`` with a commhooks algorithm deciding the communication.
 
-    ``hook``: an AB or QSR config object, dict or JSON path.  ``model``
-    (optional) lets QSR/AB average floating buffers (BatchNorm) at syncs.
+    ``hook``: a config object, dict or JSON path of any registered algorithm.
+    ``model`` (optional) lets the algorithm average floating buffers (BatchNorm) at syncs.
     The algorithm's state is ``optimizer.comm_hook_state`` (meter,
-    ``state_dict()``).  Build it on every rank at the same point: AB creates
+    ``state_dict()``).  Build it on every rank at the same point: an algorithm may create
     its process sets collectively.
     """
     import horovod.torch as hvd

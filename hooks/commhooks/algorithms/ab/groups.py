@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
-from ..config import ABConfig, ConfigError
+from ...config import ConfigError
+from .config import ABConfig
 
 
-def resolve_group_size(config: ABConfig, world: int, local_world: int) -> int:
-    """``None`` -> ranks per node, ``-1`` -> half of the world."""
+def resolve_group_size(config: ABConfig, world: int, local_world: Optional[int]) -> int:
+    """``None`` -> ranks per node (the whole world when unknown), ``-1`` -> half of the world."""
     if config.mode == "only-b":
         return world
     if config.group_size is None:
-        return local_world
+        return local_world or world
     if config.group_size == -1:
         return max(1, world // 2)
     return config.group_size
 
 
-def make_groups(config: ABConfig, world: int, local_world: int) -> Tuple[List[Tuple[int, ...]], List[str]]:
+def make_groups(config: ABConfig, world: int, local_world: Optional[int]) -> Tuple[List[Tuple[int, ...]], List[str]]:
     """The groups (tuples of ranks) and their roles (``"A"`` or ``"B"``).
 
     ``groups`` mode: ``world // group_size`` contiguous groups; the first
@@ -28,11 +29,16 @@ def make_groups(config: ABConfig, world: int, local_world: int) -> Tuple[List[Tu
     size = resolve_group_size(config, world, local_world)
     if config.mode == "only-b":
         return [tuple(range(world))], ["B"]
+    if world < 2:
+        raise ConfigError(
+            f"ab.mode 'groups' needs at least 2 ranks (one A group and one B group), got a world of {world}; "
+            "use mode 'only-b' on a single rank (e.g. to resume or evaluate), or start 2 or more ranks"
+        )
     if world % size != 0 or world // size < 2:
         origin = {None: " (ranks per node, LOCAL_WORLD_SIZE)", -1: " (half the world)"}.get(config.group_size, "")
         raise ConfigError(
             f"ab.group_size {size}{origin} must divide the {world} ranks into at least two groups in 'groups' mode; "
-            f"use a group_size that divides {world} into >= 2 parts (e.g. 1 or -1), or mode 'only-b'"
+            f"use a group_size that divides {world} into >= 2 parts (1 or -1 always do), or mode 'only-b'"
         )
     n = world // size
     groups = [tuple(range(i * size, (i + 1) * size)) for i in range(n)]

@@ -9,7 +9,7 @@ method sends crosses a real link: the kernel's tx counters of each rank's veth
 give the bytes on the wire for torch's hooks and ours alike, and ``tc``
 (netem delay + tbf rate) on each veth makes the link slow.  Every method runs
 the same model, seed, data order and number of optimizer steps through
-``commhooks.train`` (the workers), once per bandwidth; accuracy comes from
+``commhooks.tools.train`` (the workers), once per bandwidth; accuracy comes from
 the first (unlimited) run, since the link changes only the time.  Without
 root (or where namespaces cannot be made) the run says so and falls back to
 loopback with payload bytes only.
@@ -24,12 +24,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from ..launch import free_port
 
 METHODS: Dict[str, List[str]] = {
     "ddp": ["--hook", "none"],
@@ -37,11 +38,12 @@ METHODS: Dict[str, List[str]] = {
     "powersgd-r1": ["--hook", "powersgd", "--powersgd-rank", "1"],
     "powersgd-r4": ["--hook", "powersgd", "--powersgd-rank", "4"],
     "local-sgd-h8": ["--hook", "local-sgd", "--local-sgd-period", "8"],
-    "qsr": ["--hook", "qsr", "--config", "configs/qsr_mnist1d.json"],
-    "ab-groups": ["--hook", "ab", "--config", "configs/ab_mnist1d.json"],
-    "ab-groups-short": ["--hook", "ab", "--config", "configs/ab_short_mnist1d.json"],  # warm-up 100, F 5
-    "ab-only-b": ["--hook", "ab", "--config", "configs/ab_onlyb_mnist1d.json"],
-    "ab-x-qsr": ["--hook", "ab", "--config", "configs/abqsr_mnist1d.json"],
+    # commhooks' methods: a config file each (its "type" picks the algorithm)
+    "qsr": ["--config", "configs/qsr_mnist1d.json"],
+    "ab-groups": ["--config", "configs/ab_mnist1d.json"],
+    "ab-groups-short": ["--config", "configs/ab_short_mnist1d.json"],  # warm-up 100, F 5
+    "ab-only-b": ["--config", "configs/ab_onlyb_mnist1d.json"],
+    "ab-x-qsr": ["--config", "configs/abqsr_mnist1d.json"],
     "compute-only": ["--hook", "compute-only"],
 }
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
@@ -135,12 +137,6 @@ class NetnsLab:
         return applied
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Path, timeout: float) -> Dict[str, List[dict]]:
     """All methods at one link setting, one after the other, in one process group: per method, the per-rank summaries."""
     common = ["--steps", str(args.steps), "--model", args.model, "--seed", str(args.seed), "--no-progress"]
@@ -148,14 +144,14 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
             for name in methods}
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
-    port = _free_port()
+    port = free_port("127.0.0.1")
     procs = []
     for r in range(args.ranks):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.ranks), MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    COMMHOOKS_CACHE=str(Path(args.cache_dir).resolve()))
         for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "COMMHOOKS_WIRE_IFACE"):
             env.pop(k, None)
-        cmd = [sys.executable, "-m", "commhooks.bench", "--worker", str(spec_file)]
+        cmd = [sys.executable, "-m", "commhooks.tools.bench", "--worker", str(spec_file)]
         if lab:
             env.update(MASTER_ADDR=lab.addr(0), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GLOO_SOCKET_IFNAME=lab.iface(r),
                        COMMHOOKS_WIRE_IFACE=lab.iface(r))
@@ -259,7 +255,7 @@ def plots(results: dict, out: Path) -> List[str]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colours = plt.get_cmap("tab20")
     for i, (name, m) in enumerate(methods.items()):
-        ours = name.startswith(("qsr", "ab"))  # commhooks solid, anchors dashed
+        ours = "--config" in METHODS.get(name, [])  # commhooks solid, anchors dashed
         ax.plot(range(len(bws)), [m["step_ms"][bw] for bw in bws], marker="o" if ours else "s",
                 linestyle="-" if ours else "--", color=colours(i % 20), label=name)
     ax.set_xticks(range(len(bws)), bws)

@@ -1,0 +1,263 @@
+"""AB-training state: phases, bases, groups, and the gradient reduction of each step.
+
+Coquelin et al., "AB-Training: A Communication-Efficient Approach for
+Distributed Low-Rank Learning", arXiv 2405.01067.
+
+Each compressible weight W is split by SVD into ``A`` (m x k) and ``B``
+(k x n).  The ranks form contiguous groups; the first half of the groups
+train A with B frozen, the second half train B with A frozen, each group
+averaging only inside itself and only the small factor gradient.  Every
+``sync_period`` steps the world averages the weights, trains ``F`` steps at
+full rank, re-computes a truncated basis and starts again.
+
+Why W-space: the hook never changes the model or the optimizer.  An A-rank
+replaces its gradient G by ``mean_group(G B^T) B``, a B-rank by
+``A mean_group(A^T G)``; for SGD with momentum and weight decay this is
+exactly training the factor (the update maps to W through the frozen factor,
+and momentum and decay are linear), which the tests check against explicit
+factor parameters.  With Adam the element-wise normalisation is applied in
+W-space, so W drifts slightly off the rank-k subspace between syncs; the
+syncs and re-bases bring it back.
+
+Optimizer state at phase switches (the rule, tested):
+
+* entering AB (after warm-up, and at each re-basis), the state of every
+  compressed weight is cleared: the paper's factors start their phase with a
+  fresh optimizer, and W-space momentum left from full rank would push W out
+  of the factor's subspace.  Dense tensors keep their state.
+* at each sync, the state of every parameter is cleared: the groups' states
+  have diverged, and keeping them would make the ranks diverge again during
+  the full-rank steps.  Adam restarts its bias correction; the LR rebound
+  (:class:`~commhooks.algorithms.ab.LRRebound`) exists to soften exactly these restarts.
+
+Tuning advice: ``rank_cutoff`` 0.15 (paper) keeps the components above 15 %
+of the largest singular value; lower it for accuracy, raise it for traffic.
+Put the classifier head and embeddings in ``full_rank`` if accuracy drops.
+``sync="with-stale"`` sends ``(m + n) k`` per layer at a sync instead of
+``m n`` (the paper's default); ``full`` is the exact world mean of W.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ...comm import Work
+from ...config import ConfigError
+from ..averaging import clear_optimizer_state
+from ..base import AlgorithmState
+from . import transitions
+from .groups import make_groups
+from .lowrank import Basis, compression_ratio, tall_view
+from .rebound import LRRebound
+from .schedule import AB, ENTER, SYNC, Clock, ab_phase_length, apply, events_before, needs_length
+
+
+class ABState(AlgorithmState):
+    """Hook state for AB-training.
+
+    One line after building the DDP model and the optimizer::
+
+        state = commhooks.ddp.register(ddp_model, optimizer, "configs/ab_mnist1d.json")
+
+    or by hand: ``state = commhooks.ABState(ddp_model, optimizer, warmup_steps=300, sync_period=100,
+    full_rank_steps=10, group_size=1)`` and ``ddp_model.register_comm_hook(state, commhooks.ab_hook)``.
+    Keyword arguments are the fields of :class:`ABConfig`; ``config=`` takes
+    a config object, dict or JSON path instead.  ``named_parameters``
+    replaces the model where only those are at hand (Horovod); without the
+    model, floating buffers are not averaged.  Built collectively: every
+    rank constructs it at the same point (it creates the groups and, when
+    ``warmup_steps == 0``, the first basis).
+    """
+
+    reduces_gradients = True
+
+    def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
+                 **kwargs):
+        if optimizer is None:
+            raise TypeError("ABState needs the optimizer: ABState(model, optimizer, ...)")
+        if model is None and kwargs.get("named_parameters") is None and kwargs.get("engine") is None:
+            raise ValueError("ABState needs the model or its named_parameters")
+        super().__init__(optimizer, model=model, **kwargs)
+
+    # ------------------------------------------------------------------ set-up
+    @classmethod
+    def groups_needed(cls, config, world_size, local_world_size):
+        return make_groups(config, world_size, local_world_size)[0]
+
+    def validate(self) -> None:
+        self._param = dict(self.named_params)
+        self.candidates = self._compressible()
+
+    def setup(self) -> None:
+        self.group_ranks, self.group_roles = make_groups(self.config, self.comm.size, self.engine.local_world_size)
+        self.clock = Clock()
+        self.last_switch: Optional[int] = None
+        self.bases: Dict[str, Basis] = {}  # compressed weights of the current AB phase
+        self.ranks: Dict[str, Optional[int]] = {}  # rank per candidate at the last entry (None: kept dense)
+
+    def describe(self) -> dict:
+        return {"groups": self.group_ranks}
+
+    def start(self) -> None:
+        names = [f"{r}{i}" for i, r in enumerate(self.group_roles)]
+        self.groups = [self.comm.new_group(g, name=n) for g, n in zip(self.group_ranks, names)]
+        mine = next(i for i, g in enumerate(self.group_ranks) if self.comm.rank in g)
+        self.group, self.role = self.groups[mine], self.group_roles[mine]
+        self._advance()
+
+    def _compressible(self) -> List[Tuple[str, torch.Tensor]]:
+        named, patterns = self.named_params, self.config.full_rank
+        for pat in patterns:
+            if not any(fnmatch.fnmatchcase(n, pat) for n, _ in named):
+                sample = ", ".join(n for n, _ in named[:8])
+                raise ConfigError(
+                    f"ab.full_rank pattern {pat!r} matches no parameter (fnmatch on names such as {sample})"
+                )
+        return [(n, p) for n, p in named if p.ndim >= 2 and not any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+
+    @property
+    def phase(self) -> str:
+        return self.clock.phase
+
+    # --------------------------------------------------------------- schedule
+    def before_step(self) -> None:
+        """Under ``sync_rule="qsr"``, size an AB phase from the lr it starts with."""
+        if needs_length(self.clock, self.config):
+            self.clock.phase_end = self.step + ab_phase_length(self.step, self.lr(), self.config)
+
+    def after_step(self) -> None:
+        """Run the transitions due before the next step."""
+        self._advance()
+
+    def _advance(self) -> None:
+        for event in events_before(self.step, self.clock, self.config):
+            if event == SYNC:
+                self.sync()
+            elif event == ENTER:
+                self._enter()
+            apply(event, self.step, self.clock)
+            self.last_switch = self.step
+
+    # ------------------------------------------------------------- gradients
+    def reduce_gradients(self, grads: List[torch.Tensor], params: List[torch.Tensor],
+                         flat: Optional[torch.Tensor] = None) -> Work:
+        """Start the reduction of one bucket's gradients, in place; return the in-flight work.
+
+        Warm-up and full-rank steps: the world mean of the gradients (``flat``,
+        if given, is the contiguous buffer the ``grads`` are views of, DDP's
+        bucket: reduced without a copy).  AB steps: an A-rank sends
+        ``G B^T``, a B-rank ``A^T G``, averaged inside its group, and hands
+        back the W-space gradient; dense tensors are averaged in the group.
+        """
+        if self.phase != AB:
+            return self.comm.allreduce([flat] if flat is not None else grads, op="mean", async_op=True, tag="full-grad")
+        projected = []  # (W-space gradient view, basis, payload)
+        payloads = []
+        for g, p in zip(grads, params):
+            basis = self.bases.get(self._name_of.get(id(p), ""))
+            if basis is None:
+                payloads.append(g)  # dense: averaged inside the group
+                continue
+            gm, _ = tall_view(g)
+            payload = basis.payload(gm, self.role)
+            payloads.append(payload)
+            projected.append((gm, basis, payload))
+
+        def to_w_space(reduced=None):
+            for gm, basis, payload in projected:
+                gm.copy_(basis.update(payload, self.role))
+            return grads
+
+        if self.config.local_group_steps:  # QSR inside the group: project locally, send nothing
+            return Work(to_w_space)
+        work = self.comm.allreduce(payloads, op="mean", group=self.group, async_op=True, tag="ab-grad")
+        return work.then(to_w_space)
+
+    # ----------------------------------------------------------------- phases
+    def _enter(self) -> None:
+        """New bases (rank agreed as the MAX over ranks), W = A B, the factors' optimizer state cleared."""
+        keep_residual = self.clock.entries == 0 and not self.config.truncate_first
+        self.bases, self.ranks = transitions.enter(self.comm, self.candidates, self.config, keep_residual,
+                                              f"before step {self.step}")
+        clear_optimizer_state(self.optimizer, [self._param[n] for n in self.bases])
+
+    def sync(self) -> None:
+        """Average the groups' models over the world, leave AB, clear optimizer state."""
+        transitions.sync(self.comm, self._param, self.bases, self.role, self.config.sync, self.float_buffers())
+        clear_optimizer_state(self.optimizer, self._param.values())
+        self.bases = {}
+        self.synced()
+
+    def wrap_scheduler(self, scheduler):
+        """With ``rebound_steps > 0``: :class:`LRRebound` around ``scheduler``."""
+        return LRRebound(scheduler, self) if self.config.rebound_steps > 0 else scheduler
+
+    # ----------------------------------------------------------------- report
+    def algorithm_report(self) -> dict:
+        """Per layer (name, shape, rank, compression) and the overall parameter compression.
+
+        The overall figure is the paper's headline metric: parameters of the
+        dense model over parameters of the factorised one (44.14:1 for VGG16).
+        Ranks are those of the latest AB entry.
+        """
+        layers, stored, total = [], 0, 0
+        for name, p in self._param.items():
+            total += p.numel()
+            k = self.ranks.get(name)
+            if k is None:
+                stored += p.numel()
+                if p.ndim >= 2:
+                    layers.append({"name": name, "shape": list(p.shape), "rank": None, "compression": 1.0})
+                continue
+            m, n = tall_view(p.data)[0].shape
+            stored += (m + n) * k
+            layers.append({"name": name, "shape": list(p.shape), "rank": k,
+                           "compression": round(compression_ratio(m, n, k), 2)})
+        return {
+            "phase": self.phase,
+            "role": self.role,
+            "group": list(self.group.ranks),
+            "layers": layers,
+            "params_dense": total,
+            "params_factored": stored,
+            "compression": round(total / stored, 2) if stored else 1.0,
+        }
+
+    def format_report(self) -> str:
+        r = self.report()
+        lines = [f"AB report: step {r['step']}, phase {r['phase']}, role {r['role']} in group {r['group']}"]
+        for layer in r["layers"]:
+            k = "dense" if layer["rank"] is None else f"rank {layer['rank']}"
+            lines.append(f"  {layer['name']:<28} {str(tuple(layer['shape'])):<18} {k:<10} {layer['compression']:>7.2f}:1")
+        lines.append(f"  overall parameter compression {r['compression']:.2f}:1 ({r['params_dense']} -> {r['params_factored']})")
+        lines.append("  bytes by phase: " + ", ".join(f"{t}={b / 1e6:.2f}MB" for t, b in sorted(r["bytes_by_tag"].items())))
+        return "\n".join(lines)
+
+    # ---------------------------------------------------------- checkpointing
+    def algorithm_state_dict(self) -> dict:
+        return {
+            "clock": dataclasses.asdict(self.clock),
+            "last_switch": self.last_switch,
+            "ranks": dict(self.ranks),
+            "bases": {
+                n: {"a": b.a.clone(), "b": b.b.clone(), "s": b.s.clone(),
+                    "residual": None if b.residual is None else b.residual.clone()}
+                for n, b in self.bases.items()
+            },
+        }
+
+    def load_algorithm_state_dict(self, state: dict) -> None:
+        unknown = sorted(set(state["bases"]) - set(self._param))
+        if unknown:
+            raise ValueError(f"checkpoint has bases for parameters this model lacks: {unknown}")
+        self.clock = Clock(**state["clock"])
+        self.last_switch = state["last_switch"]
+        self.ranks = dict(state["ranks"])
+        self.bases = {n: Basis(**b) for n, b in state["bases"].items()}
+
+    def __repr__(self) -> str:
+        return f"ABState(step={self.step}, phase={self.phase}, role={self.role}, group={self.group.ranks}, syncs={self.syncs})"

@@ -1,0 +1,85 @@
+"""The two collective transitions of AB-training: entering a phase (new bases) and the world sync.
+
+Both are functions of the parameters, the config and a :class:`Comm`; the
+state (:mod:`commhooks.algorithms.ab.state`) decides when to call them.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ...comm import Comm
+from ..averaging import average_
+from ..consistency import nonfinite_anywhere, spread_over_ranks
+from .config import ABConfig
+from .lowrank import Basis, basis_from_svd, choose_rank, compression_ratio, svd, tall_view
+
+
+@torch.no_grad()
+def enter(comm: Comm, candidates: Sequence[Tuple[str, torch.Tensor]], config: ABConfig, keep_residual: bool,
+          when: str) -> Tuple[Dict[str, Basis], Dict[str, Optional[int]]]:
+    """New bases for the compressible weights; W becomes A B (or A B + residual).
+
+    The rank of each weight is agreed as the MAX over all ranks; a layer whose
+    compression at that rank is below ``min_compression_rate`` stays dense
+    (rank ``None``).  Returns ``(bases, ranks)``.
+    """
+    nonfinite_anywhere(comm, candidates, f"AB re-basis {when}: the SVD needs finite weights")
+    mats = [tall_view(p.data)[0] for _, p in candidates]
+    svds = [svd(m) for m in mats]
+    ks = torch.tensor([choose_rank(s, config.rank_cutoff) for _, s, _ in svds], dtype=torch.float64)
+    comm.allreduce([ks], op="max", tag="basis")  # rank agreed as the max over all ranks
+    bases: Dict[str, Basis] = {}
+    ranks: Dict[str, Optional[int]] = {}
+    for (name, _), mat, (u, s, vh), k in zip(candidates, mats, svds, ks.long().tolist()):
+        m, n = mat.shape
+        if compression_ratio(m, n, k) < config.min_compression_rate:
+            ranks[name] = None
+            continue
+        bases[name] = basis_from_svd(u, s, vh, k, mat.dtype)
+        ranks[name] = k
+    agree(comm, bases)
+    params = dict(candidates)
+    for name, basis in bases.items():
+        mat = tall_view(params[name].data)[0]
+        if keep_residual:
+            basis.residual = mat - basis.a @ basis.b
+        else:
+            mat.copy_(basis.a @ basis.b)  # the dropped singular values leave the model
+    return bases, ranks
+
+
+def agree(comm: Comm, bases: Dict[str, Basis]) -> None:
+    """Check the factors are identical on every rank; broadcast rank 0's where they are not."""
+    if not bases or comm.size == 1:
+        return
+    names = sorted(bases)
+    sums = torch.tensor([float(t.double().sum()) for n in names for t in (bases[n].a, bases[n].b)], dtype=torch.float64)
+    hi, lo = spread_over_ranks(comm, sums, tag="basis", metered=True)
+    differ = [n for i, n in enumerate(names) if bool((hi[2 * i: 2 * i + 2] != lo[2 * i: 2 * i + 2]).any())]
+    if differ:
+        comm.broadcast([t for n in differ for t in (bases[n].a, bases[n].b, bases[n].s)], src=0, tag="basis")
+
+
+@torch.no_grad()
+def sync(comm: Comm, params: Dict[str, torch.Tensor], bases: Dict[str, Basis], role: str, mode: str,
+         buffers: List[torch.Tensor]) -> None:
+    """Average the groups' models over the world.
+
+    ``full``: the world mean of every W.  ``with-stale`` (the paper's
+    default): each rank's factors after its phase, recovered from W by
+    projection, are averaged, costing ``(m + n) k`` per compressed layer
+    instead of ``m n``; W becomes mean(A) mean(B) (+ residual).
+    """
+    if mode == "full" or not bases:
+        average_(comm, list(params.values()) + buffers, tag="sync")
+        return
+    mats = {n: tall_view(params[n].data)[0] for n in bases}
+    factors = {n: b.factors_after(mats[n], role) for n, b in bases.items()}
+    dense = [p for n, p in params.items() if n not in bases]
+    average_(comm, [t for pair in factors.values() for t in pair] + dense + buffers, tag="sync")
+    for n, (a, b) in factors.items():
+        residual = bases[n].residual
+        mats[n].copy_(a @ b if residual is None else a @ b + residual)

@@ -1,0 +1,324 @@
+"""The algorithm contract: what every commhooks algorithm is, and how the engines drive it.
+
+An algorithm is a *state object* (a subclass of :class:`AlgorithmState`) plus
+a config class (a subclass of :class:`~commhooks.config.HookConfig`),
+registered once with :func:`commhooks.register_algorithm`.  The base class
+owns everything algorithms share, so a subclass holds only its algorithm:
+
+* the config, from a config object, a dict, a JSON path or keyword arguments;
+* the :class:`~commhooks.comm.Comm` (default: ``torch.distributed``, over
+  ``process_group``) and its byte meter;
+* the start-up handshake: config, world size, parameter names and shapes,
+  commhooks version and whatever :meth:`describe` adds must agree on every
+  rank, or every rank raises the same ConfigError before training;
+* the optimizer step hooks that count steps, the NaN/Inf gradient guard
+  (``nonfinite``) and skipped steps;
+* the post-sync check (``check_every``) and the sync counters;
+* ``state_dict`` / ``load_state_dict`` of the counters, ``report``,
+  ``remove``.
+
+The interface the engines drive (an engine adapter calls only these, and
+chooses what to call from what the state *declares*, never from its name):
+
+``begin_step()``
+    Called by an optimizer step pre-hook, before every optimizer step, after
+    the gradients are final (reduced, unscaled, clipped).  The base applies
+    the NaN guard, then calls :meth:`before_step`.
+``end_step()``
+    Called by an optimizer step post-hook, after every optimizer step.  The
+    base counts the step, then calls :meth:`after_step`: the place where a
+    local method decides to :meth:`sync`, or a phase changes.
+``reduce_gradients(grads, params, flat=None) -> Work``
+    Only if the class declares ``reduces_gradients = True``.  Engines that
+    hand gradients over (DDP's comm hook with its bucket, Horovod's
+    per-parameter hooks, DeepSpeed at the accumulation boundary) call it
+    once per bucket per optimizer step; it starts the reduction in place and
+    returns the in-flight :class:`~commhooks.comm.Work`.  A state that does
+    not declare it gets no call, and its engine sends no gradient at all
+    (local steps: DDP's hook hands the local bucket back).
+``sync()``
+    Average the model now.  Normally called by the state itself from
+    :meth:`after_step`; public so a user can force one (e.g. before
+    evaluation or a checkpoint).
+``state_dict()`` / ``load_state_dict()``
+    Everything needed to resume the schedule exactly, per rank.
+``report()``
+    A plain dict of what the algorithm did (for logs and users' loggers).
+
+Engine facts reach the state as an :class:`EngineFacts` (the unwrapped
+module, whether the engine re-broadcasts buffers on every forward, ranks per
+node from the launcher): adapters pass them, or providers registered by the
+adapters and the launch layer (:func:`register_engine_facts`) derive them
+from the model handed in.  Algorithm code never reads an engine attribute or
+an environment variable itself.
+
+Writing a new algorithm: subclass, set ``reduces_gradients`` if it touches
+gradients, implement :meth:`after_step` (and :meth:`before_step`,
+:meth:`reduce_gradients`, :meth:`sync` as needed), keep extra resumable
+state in :meth:`algorithm_state_dict`; then one registry line.  See the
+README's "Adding an algorithm".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .._version import __version__
+from ..comm import Comm, Work
+from ..config import ConfigError, HookConfig, from_dict, load_config, to_dict
+from .averaging import average_, float_buffers
+from .consistency import guard_gradients, verify_identical, verify_same_everywhere
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFacts:
+    """What the engine knows and the algorithm needs, handed over by the adapter.
+
+    * ``module``: the user's model, unwrapped (its parameters and buffers are
+      what a sync averages; its parameter names are what config patterns match).
+    * ``buffers_synced_each_forward``: the engine re-broadcasts buffers from
+      rank 0 on every forward (DDP's ``broadcast_buffers``), so averaging
+      them is moot.
+    * ``local_world_size``: ranks per node, from the launcher (``None``:
+      unknown, the algorithm treats the world as one node).
+    """
+
+    module: Optional[torch.nn.Module] = None
+    buffers_synced_each_forward: bool = False
+    local_world_size: Optional[int] = None
+
+
+_FACT_PROVIDERS: List[Callable[[object], Optional[dict]]] = []
+
+
+def register_engine_facts(provider: Callable[[object], Optional[dict]]) -> None:
+    """Add a function ``model -> dict of EngineFacts fields (or None)``; adapters and the launch layer
+    register one each, so a state built from a wrapped model learns the facts without naming an engine."""
+    if provider not in _FACT_PROVIDERS:
+        _FACT_PROVIDERS.append(provider)
+
+
+def engine_facts(model) -> EngineFacts:
+    """The facts the registered providers derive from ``model`` (later providers win on a conflict)."""
+    found: dict = {"module": model}
+    for provider in _FACT_PROVIDERS:
+        found.update(provider(model) or {})
+    return EngineFacts(**found)
+
+
+class AlgorithmState:
+    """Base class of every algorithm's state; see the module docstring for the contract.
+
+    ``optimizer``: the optimizer whose steps drive the schedule.  ``model``:
+    the (possibly wrapped) model; ``named_parameters`` replaces it where only
+    those are at hand (Horovod).  ``engine``: facts from the adapter
+    (default: derived from ``model``).  ``comm`` / ``process_group``: where
+    the collectives go.  ``config=`` (object, dict, JSON path) or keyword
+    settings, not both.  Built collectively: every rank constructs it at the
+    same point (the handshake is a collective).
+    """
+
+    name: ClassVar[str] = ""  # set by register_algorithm
+    config_class: ClassVar[type] = HookConfig  # set by register_algorithm
+    reduces_gradients: ClassVar[bool] = False  # declared: engines hand gradients over only if True
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        model: Optional[torch.nn.Module] = None,
+        named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+        engine: Optional[EngineFacts] = None,
+        process_group=None,
+        comm: Optional[Comm] = None,
+        config=None,
+        **settings,
+    ):
+        self.config = self._resolve_config(config, settings)
+        self.optimizer = optimizer
+        self.engine = engine if engine is not None else engine_facts(model)
+        self.module = self.engine.module
+        self.named_params = self._named_parameters(named_parameters)
+        self._name_of = {id(p): n for n, p in self.named_params}
+        self.validate()  # local checks first: a bad setting raises on every rank before any collective
+        if comm is None:
+            from ..comm.torch_dist import TorchComm
+
+            comm = TorchComm(process_group, timeout_s=self.config.timeout_s)
+        self.comm = comm
+        self.step = 0
+        self.syncs = 0
+        self.skipped_steps = 0
+        self.sync_steps: List[int] = []  # optimizer steps after which a sync happened (this process)
+        self.setup()
+        verify_same_everywhere(comm, f"the {self.display_name} hook", {
+            "config": to_dict(self.config), "world": comm.size, "version": __version__,
+            "params": [(n, tuple(p.shape)) for n, p in self.named_params], **self.describe()})
+        self.start()
+        self._handles = [
+            optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.begin_step()),
+            optimizer.register_step_post_hook(lambda opt, args, kwargs: self.end_step()),
+        ]
+
+    # ------------------------------------------------------------ set-up
+    def _resolve_config(self, config, settings) -> HookConfig:
+        cls = type(self)
+        if config is not None and settings:
+            raise ConfigError(f"pass either config= or keyword settings, not both (got {sorted(settings)})")
+        conf = (load_config(config, kind=cls.name) if config is not None
+                else from_dict(settings, kind=cls.name, where=cls.__name__))
+        if conf is None:
+            raise ConfigError(f"{cls.__name__} needs a {cls.name!r} config, got type 'none'")
+        return conf
+
+    def _named_parameters(self, named_parameters) -> List[Tuple[str, torch.Tensor]]:
+        """The trainable parameters the algorithm covers: the model's (by name), then any other the
+        optimizer holds (named by their place in it)."""
+        if named_parameters is not None:
+            named = list(named_parameters)
+        elif self.module is not None:
+            named = list(self.module.named_parameters())
+        else:
+            named = []
+        named = [(n, p) for n, p in named if p.requires_grad]
+        seen = {id(p) for _, p in named}
+        for i, group in enumerate(self.optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    named.append((f"param{len(named)}" if not named_parameters and self.module is None
+                                  else f"optimizer.param_groups[{i}][{j}]", p))
+        return named
+
+    @classmethod
+    def groups_needed(cls, config, world_size: int, local_world_size: Optional[int]) -> List[Tuple[int, ...]]:
+        """The rank groups this algorithm will create for ``config`` (engines with static groups, such as
+        Horovod's process sets, create them at start-up).  Local: no collective, no state."""
+        return []
+
+    def validate(self) -> None:
+        """Subclass hook: check the settings against the model, before the Comm exists (raise ConfigError)."""
+
+    def setup(self) -> None:
+        """Subclass hook: set-up before the handshake (``self.comm`` exists; no collective here)."""
+
+    def describe(self) -> Dict[str, object]:
+        """Subclass hook: more facts every rank must agree on (JSON-able), checked in the handshake."""
+        return {}
+
+    def start(self) -> None:
+        """Subclass hook: collective set-up after the handshake (groups, a first basis)."""
+
+    @property
+    def display_name(self) -> str:
+        """The class name without "State" (``QSR``, ``AB``), for messages."""
+        name = type(self).__name__
+        return name[:-5] if name.endswith("State") and len(name) > 5 else name
+
+    @property
+    def meter(self):
+        """The byte meter of this state's :class:`Comm` (``meter.bytes()``, ``meter.by_tag()``)."""
+        return self.comm.meter
+
+    def lr(self) -> float:
+        """The lr a sync rule should read: the schedule's value (``scheduled_lr`` of an lr wrapper such as
+        :class:`~commhooks.algorithms.ab.LRRebound` if present, else ``lr``) of the first param group."""
+        group = self.optimizer.param_groups[0]
+        return float(group.get("scheduled_lr", group["lr"]))
+
+    # ----------------------------------------------------- driven by engines
+    def begin_step(self) -> None:
+        """Before each optimizer step: the NaN/Inf guard, then :meth:`before_step`."""
+        if guard_gradients(self.named_params, self.config.nonfinite, self.step, self.comm.rank):
+            self.skipped_steps += 1
+        self.before_step()
+
+    def end_step(self) -> None:
+        """After each optimizer step: count it, then :meth:`after_step`."""
+        self.step += 1
+        self.after_step()
+
+    def before_step(self) -> None:
+        """Subclass hook: runs before each optimizer step (e.g. choose a period from the lr it will use)."""
+
+    def after_step(self) -> None:
+        """Subclass hook: runs after each optimizer step (``self.step`` already counts it)."""
+
+    def reduce_gradients(self, grads: List[torch.Tensor], params: List[torch.Tensor],
+                         flat: Optional[torch.Tensor] = None) -> Work:
+        """Start reducing one bucket of gradients in place (only states with ``reduces_gradients``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not reduce gradients (reduces_gradients=False)")
+
+    def sync(self) -> None:
+        """Average the model over the world now (subclasses define what that means)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------ shared helpers
+    def float_buffers(self) -> List[torch.Tensor]:
+        """The module's floating buffers (BatchNorm statistics), unless the engine re-broadcasts them."""
+        return [] if self.engine.buffers_synced_each_forward else float_buffers(self.module)
+
+    def average(self, tensors: Sequence[torch.Tensor], group=None, tag: str = "sync") -> None:
+        """Average ``tensors`` in place over ``group`` (default: the world), one flat call per dtype."""
+        average_(self.comm, tensors, group=group, tag=tag)
+
+    def synced(self) -> None:
+        """Count a completed sync; every ``check_every``-th, prove the ranks now agree (raises on every rank)."""
+        self.syncs += 1
+        self.sync_steps.append(self.step)
+        if self.config.check_every and self.syncs % self.config.check_every == 0:
+            named = list(self.named_params) + [(f"buffer{i}", b) for i, b in enumerate(self.float_buffers())]
+            verify_identical(self.comm, named, f"after {self.display_name} sync {self.syncs} (step {self.step})")
+
+    # ---------------------------------------------------------- lifecycle
+    def remove(self) -> None:
+        """Unregister the optimizer hooks (a DDP comm hook stays until DDP is rebuilt)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def state_dict(self) -> dict:
+        """The counters and the subclass's :meth:`algorithm_state_dict` (tensors and plain types only)."""
+        return {"step": self.step, "syncs": self.syncs, "skipped_steps": self.skipped_steps,
+                "config": to_dict(self.config), **self.algorithm_state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.syncs = int(state.get("syncs", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.load_algorithm_state_dict(state)
+
+    def algorithm_state_dict(self) -> dict:
+        """Subclass hook: the algorithm's own resumable state."""
+        return {}
+
+    def load_algorithm_state_dict(self, state: dict) -> None:
+        """Subclass hook: restore what :meth:`algorithm_state_dict` saved."""
+
+    def report(self) -> dict:
+        """What the algorithm did, as a plain dict: steps, syncs, bytes per tag, plus :meth:`algorithm_report`."""
+        return {"algorithm": self.name, "step": self.step, "syncs": self.syncs, "skipped_steps": self.skipped_steps,
+                "bytes": self.meter.bytes(), "bytes_by_tag": self.meter.by_tag(), **self.algorithm_report()}
+
+    def algorithm_report(self) -> dict:
+        """Subclass hook: the algorithm's own figures for :meth:`report`."""
+        return {}
+
+    def format_report(self) -> str:
+        """:meth:`report` as lines for a log."""
+        r = self.report()
+        head = f"{type(self).__name__} report: step {r['step']}, syncs {r['syncs']}, {r['bytes'] / 1e6:.2f} MB sent"
+        rest = [f"  {k}: {v}" for k, v in r.items() if k not in ("algorithm", "step", "syncs", "bytes", "bytes_by_tag")]
+        tags = "  bytes by tag: " + ", ".join(f"{t}={b / 1e6:.2f}MB" for t, b in sorted(r["bytes_by_tag"].items()))
+        return "\n".join([head, *rest, tags])
+
+    def wrap_scheduler(self, scheduler):
+        """The lr scheduler to step in place of ``scheduler`` (an algorithm may shape the lr around its
+        phase switches, e.g. AB's LR rebound); default: ``scheduler`` itself."""
+        return scheduler
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(step={self.step}, syncs={self.syncs})"

@@ -1,0 +1,105 @@
+"""``commhooks`` console script (argparse subcommands).
+
+* ``train``: train with a hook; start it under a launcher (``torchrun ... -m commhooks.tools.train``).
+* ``bench``: every method side by side on a constrained network.
+* ``table``: a markdown table of summaries written by ``train --json-out``.
+* ``schema``: the JSON schema of the ``comm_hook`` section, or the README's key tables.
+
+``train`` and ``bench`` need the ``commhooks[tools]`` extra; ``table`` and
+``schema`` run with the library alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+def nbytes(run: dict) -> int:
+    """The meter's bytes, or what reached torch.distributed for PyTorch's own hooks."""
+    return run["bytes_per_rank"] if run["bytes_per_rank"] is not None else (run.get("payload_bytes_per_rank") or 0)
+
+
+def table(paths: Sequence[str]) -> str:
+    """A markdown table of run summaries (JSON files from ``train --json-out``), first row = baseline."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    if not runs:
+        return "no runs"
+    base = nbytes(runs[0]) or 1
+    lines = [
+        "| run | test acc | train loss | bytes/rank | vs first | syncs | steps | wall |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r['label']} | {r['test_acc']:.4f} | {r['train_loss']:.4f} | {nbytes(r) / 1e6:.2f} MB "
+            f"| {nbytes(r) / base:.3f} | {r['syncs']} | {r['steps']} | {r['wall_s']:.1f} s |"
+        )
+    return "\n".join(lines)
+
+
+def schema(args: argparse.Namespace) -> int:
+    from . import config
+
+    if args.readme is None:
+        if args.markdown:
+            from . import registry
+
+            print("\n\n".join(f"### `{a.name}`\n\n{config.key_table(a.name)}" for a in registry.algorithms()))
+        else:
+            print(json.dumps(config.json_schema(), indent=2))
+        return 0
+    path = Path(args.readme)
+    text = path.read_text()
+    fresh = config.update_tables(text)
+    if args.check:
+        if fresh != text:
+            print(f"commhooks schema: the key tables in {path} differ from the config classes; "
+                  f"run `commhooks schema --readme {path}`", file=sys.stderr)
+            return 1
+        print(f"{path}: key tables match the config classes")
+        return 0
+    path.write_text(fresh)
+    print(f"{path}: key tables regenerated")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="commhooks", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="command")
+    for name, text in (("train", "train with a hook (under a launcher); `commhooks train -h` for its options"),
+                       ("bench", "run every method side by side; `commhooks bench -h` for its options")):
+        sub.add_parser(name, help=text, add_help=False)
+    tab = sub.add_parser("table", help="markdown table of summaries written by `train --json-out`")
+    tab.add_argument("summaries", nargs="+", help="JSON files; the first is the baseline")
+    sch = sub.add_parser("schema", help="JSON schema of the comm_hook section (or the README's key tables)")
+    sch.add_argument("--markdown", action="store_true", help="the key tables as markdown instead of the JSON schema")
+    sch.add_argument("--readme", help="regenerate the key tables between the markers in this file")
+    sch.add_argument("--check", action="store_true", help="with --readme: only check, exit 1 if they differ")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # train and bench own their options (argparse would take their --flags for ours)
+    if argv[:1] == ["train"]:
+        from .tools.train import main as train_main
+
+        return train_main(argv[1:])
+    if argv[:1] == ["bench"]:
+        from .tools.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command == "table":
+        print(table(args.summaries))
+        return 0
+    return schema(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

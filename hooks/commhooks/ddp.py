@@ -1,0 +1,115 @@
+"""PyTorch DDP adapter: one comm hook for ``DistributedDataParallel.register_comm_hook``, any algorithm.
+
+Thin by design: DDP hands a :class:`torch.distributed.GradBucket` to the hook;
+if the algorithm's state declares ``reduces_gradients``, the hook asks it to
+reduce the bucket and returns a future of the bucket's new contents,
+otherwise it returns the local bucket untouched (local steps: nothing is
+sent).  Step counting and syncs happen in the optimizer step hooks that
+every state registers.
+
+Usage, one line after building the DDP model and optimizer, with a config
+object, dict or JSON file from ``configs/``::
+
+    state = commhooks.ddp.register(ddp_model, optimizer, "configs/qsr_mnist1d.json")
+
+or by hand::
+
+    state = commhooks.QSRState(optimizer, model=ddp_model, alpha=0.0175, h_base=4)
+    ddp_model.register_comm_hook(state, commhooks.ddp.comm_hook)
+
+Build DDP with ``forward_sync_buffers=False`` (torch >= 2.13; older:
+``broadcast_buffers=False``) for local methods: otherwise DDP re-broadcasts
+rank 0's buffers on every forward.
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import registry
+from .algorithms.base import register_engine_facts
+from .comm import Comm
+from .config import load_config
+
+
+def buffers_broadcast_each_forward(model) -> bool:
+    """Whether a DDP model re-broadcasts buffers on every forward (both torch spellings)."""
+    flag = getattr(model, "forward_sync_buffers", None)
+    if flag is None:
+        flag = getattr(model, "broadcast_buffers", False)
+    return bool(flag)
+
+
+def _ddp_facts(model) -> Optional[dict]:
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return {"module": model.module, "buffers_synced_each_forward": buffers_broadcast_each_forward(model)}
+    return None
+
+
+register_engine_facts(_ddp_facts)
+
+
+def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
+def comm_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP comm hook of every commhooks algorithm.
+
+    A state with ``reduces_gradients`` reduces the bucket (its gradients are
+    written in place, so ``gradient_as_bucket_view=True`` works; state is
+    keyed by parameter, so DDP's bucket rebuild after the first iteration is
+    harmless).  Any other state keeps the local gradients: no byte crosses
+    the network in backward, and DDP leaves the bucket unscaled.
+    """
+    buffer = bucket.buffer()
+    if not state.reduces_gradients:
+        return _completed(buffer)
+    work = state.reduce_gradients(bucket.gradients(), bucket.parameters(), flat=buffer)
+    return work.future().then(lambda fut: buffer)
+
+
+class AllreduceState:
+    """State of :func:`allreduce_hook`: a :class:`Comm` whose meter counts DDP's gradient traffic."""
+
+    def __init__(self, process_group=None, comm: Optional[Comm] = None):
+        if comm is None:
+            from .comm.torch_dist import TorchComm
+
+            comm = TorchComm(process_group)
+        self.comm = comm
+
+    @property
+    def meter(self):
+        return self.comm.meter
+
+
+def allreduce_hook(state: AllreduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default gradient averaging, through :class:`Comm` so the bytes are metered.
+
+    Numerically the same as registering no hook; the baseline every method is measured against.
+    """
+    buffer = bucket.buffer()
+    work = state.comm.allreduce([buffer], op="mean", async_op=True, tag="grad")
+    return work.future().then(lambda fut: buffer)
+
+
+def register(ddp_model, optimizer, config, process_group=None):
+    """Build the state for ``config`` and register its hook on ``ddp_model``; return the state.
+
+    ``config`` is a config object, a dict or a JSON path naming any
+    registered algorithm; ``{"type": "none"}`` registers the metered plain
+    allreduce.
+    """
+    config = load_config(config)
+    if config is None:
+        state = AllreduceState(process_group)
+        ddp_model.register_comm_hook(state, allreduce_hook)
+        return state
+    state_class = registry.for_config(config).state_class
+    state = state_class(optimizer=optimizer, model=ddp_model, process_group=process_group, config=config)
+    ddp_model.register_comm_hook(state, comm_hook)
+    return state
