@@ -2,6 +2,8 @@
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -57,3 +59,77 @@ def test_network_namespaces_and_tc(tmp_path):
     assert "tbf 100mbit" in results["setup"]["shaping"]["100mbit"]
     leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "-hub" not in leftover, f"namespaces left behind: {leftover}"
+
+
+# --------------------------------------------------------------------------
+# the benchmark leaves nothing behind (root: CI runs as root)
+# --------------------------------------------------------------------------
+
+
+def _lab_leftovers(pid, out):
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    workers = subprocess.run(["pgrep", "-f", f"commhooks.tools.bench --worker {out}/spec.json"],
+                             capture_output=True, text=True).stdout.split()
+    return ([n for n in namespaces.split() if n.startswith(f"chb{pid}-")]
+            + [n for n in links.split() if f"chb{pid}" in n], workers)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT to the process group"])
+def test_bench_cleans_up_on_a_signal(how, tmp_path):
+    if os.geteuid() != 0:
+        pytest.fail("network namespaces need root; CI runs as root")
+    out = REPO / ".cache" / f"bench-signal-{os.getpid()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "commhooks.cli", "bench", "--methods", "ddp", "--steps", "100000",
+                             "--bandwidths", "100mbit", "--netns", "on", "--out", str(out)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out_dir = out
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the workers are up once their log says they train
+            logs = list(out_dir.glob("worker-rank*.log")) if out_dir.exists() else []
+            names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            if len(logs) == 2 and f"chb{proc.pid}-r1" in names and time.monotonic() > 0:
+                time.sleep(8)  # let them get into training
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the benchmark's workers did not start")
+        assert proc.poll() is None, proc.stdout.read()
+        assert len(_lab_leftovers(proc.pid, out)[1]) >= 2, "the check must see the running workers"
+        if how == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_lab_leftovers(proc.pid, out)):
+            time.sleep(0.2)
+        assert _lab_leftovers(proc.pid, out) == ([], []), _lab_leftovers(proc.pid, out)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def test_bench_removes_a_dead_runs_namespaces_but_not_a_live_ones(tmp_path):
+    if os.geteuid() != 0:
+        pytest.fail("network namespaces need root; CI runs as root")
+    dead = 4194000  # above this machine's pid_max: no such process
+    while os.path.exists(f"/proc/{dead}"):
+        dead -= 1
+    live = os.getpid()
+    for name in (f"chb{dead}-r0", f"chb{live}-r0"):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        _, _, stdout = bench(["--methods", "ddp", "--steps", "3", "--bandwidths", "unlimited", "--netns", "on"],
+                             tmp_path, timeout=300)
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        assert f"chb{dead}-r0" not in names and f"removed what a dead earlier run left: chb{dead}-r0" in stdout
+        assert f"chb{live}-r0" in names, "a live process's namespace must stay"
+    finally:
+        for name in (f"chb{dead}-r0", f"chb{live}-r0"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)

@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -60,12 +62,46 @@ def _sh(*cmd: str) -> str:
     return proc.stdout
 
 
+PREFIX = "chb"  # chb<pid of the benchmark>-hub, -r0, ...; veth<r>chb<pid>, chb<pid>h<r> while being moved
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_lab() -> List[str]:
+    """Namespaces and veths left by a benchmark whose process no longer exists (never a live run's)."""
+    removed = []
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for name in names:
+        m = re.fullmatch(PREFIX + r"(\d+)-(hub|r\d+)", name)
+        if m and not _alive(int(m.group(1))):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            removed.append(name)
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    for name in re.findall(r"^\d+: ([^:@\s]+)", links, flags=re.M):
+        m = re.fullmatch(r"veth\d+" + PREFIX + r"(\d+)|" + PREFIX + r"(\d+)h\d+", name)
+        if m and not _alive(int(m.group(1) or m.group(2))):
+            subprocess.run(["ip", "link", "del", name], capture_output=True)
+            removed.append(name)
+    return removed
+
+
 class NetnsLab:
-    """N rank namespaces with a veth each to a bridge in a hub namespace; 10.77.0.(r+1)/24 inside only."""
+    """N rank namespaces with a veth each to a bridge in a hub namespace; 10.77.0.(r+1)/24 inside only.
+
+    Names carry the benchmark's pid, so a later run can tell a dead run's leftovers from a live run's.
+    """
 
     def __init__(self, ranks: int, prefix: Optional[str] = None):
         self.ranks = ranks
-        self.prefix = prefix or f"chb{os.getpid() % 100000}"
+        self.prefix = prefix or f"{PREFIX}{os.getpid()}"
         self.hub = f"{self.prefix}-hub"
         self.made: List[str] = []
 
@@ -145,7 +181,7 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
     port = free_port("127.0.0.1")
-    procs = []
+    procs, logs = [], []
     for r in range(args.ranks):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(args.ranks), MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    COMMHOOKS_CACHE=str(Path(args.cache_dir).resolve()))
@@ -158,20 +194,44 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
             cmd = ["ip", "netns", "exec", lab.ns(r), *cmd]
         else:
             env.update(MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(args.ranks))
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        log = out / f"worker-rank{r}.log"
+        logs.append(log)
+        with open(log, "w") as f:  # each worker leads its own process group: ended as a whole below
+            procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + timeout
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise RuntimeError(f"the ranks did not finish within {timeout:.0f} s")
-    if any(p.returncode for p in procs):
-        raise RuntimeError("a rank failed:\n" + "\n".join(e[-3000:] for _, e in outputs))
-    sys.stdout.write(outputs[0][0])
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed:  # a dead rank leaves the others waiting in a collective: do not wait for them
+                raise RuntimeError(f"rank(s) {failed} failed:\n" + "\n".join(logs[r].read_text()[-3000:] for r in failed))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the ranks did not finish within {timeout:.0f} s")
+            time.sleep(0.2)
+        if any(p.returncode for p in procs):
+            raise RuntimeError("a rank failed:\n" + "\n".join(log.read_text()[-3000:] for log in logs))
+    finally:
+        stop_workers(procs)
+    sys.stdout.write(logs[0].read_text())
     return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(args.ranks)] for name in methods}
+
+
+def stop_workers(procs) -> None:
+    """End every worker's process group (SIGTERM, then SIGKILL after 3 s)."""
+    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
+        alive = [p for p in procs if p.poll() is None]
+        for p in alive:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + wait
+        while any(p.poll() is None for p in alive) and time.monotonic() < end:
+            time.sleep(0.05)
+
+
+def _terminate(signum, frame):
+    """SIGTERM (timeout, kill, a scheduler's cancel) unwinds like Ctrl-C, so every finally cleans up."""
+    raise SystemExit(128 + signum)
 
 
 def worker(spec_file: str) -> int:
@@ -303,25 +363,38 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    lab, network = None, "loopback"
-    if args.netns != "off":
-        try:
-            if os.geteuid() != 0:
-                raise LabError("not root")
-            lab = NetnsLab(args.ranks).__enter__()
-            network = "netns + veth + bridge, tc per rank"
-        except LabError as exc:
-            if args.netns == "on":
-                raise
-            print(f"commhooks bench: no network namespaces ({exc}); falling back to loopback, payload bytes only", flush=True)
-    if lab is None and any(bw != "unlimited" for bw in args.bandwidths):
-        print("commhooks bench: loopback cannot be rate-limited; measuring 'unlimited' only", flush=True)
-        args.bandwidths = ["unlimited"]
-    results = {"setup": {"ranks": args.ranks, "steps": args.steps, "model": args.model, "seed": args.seed,
-                         "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
-                         "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}, "methods": {}}
-    runs: Dict[str, Dict[str, List[dict]]] = {m: {} for m in args.methods}
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
+        return _run(args, out)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args, out: Path) -> int:
+    lab, network = None, "loopback"
+    runs: Dict[str, Dict[str, List[dict]]] = {m: {} for m in args.methods}
+    results: dict = {}
+    try:
+        if args.netns != "off":
+            try:
+                if os.geteuid() != 0:
+                    raise LabError("not root")
+                stale = remove_stale_lab()
+                if stale:
+                    print(f"commhooks bench: removed what a dead earlier run left: {', '.join(stale)}", flush=True)
+                lab = NetnsLab(args.ranks).__enter__()
+                network = "netns + veth + bridge, tc per rank"
+            except LabError as exc:
+                if args.netns == "on":
+                    raise
+                print(f"commhooks bench: no network namespaces ({exc}); falling back to loopback, payload bytes only",
+                      flush=True)
+        if lab is None and any(bw != "unlimited" for bw in args.bandwidths):
+            print("commhooks bench: loopback cannot be rate-limited; measuring 'unlimited' only", flush=True)
+            args.bandwidths = ["unlimited"]
+        results = {"setup": {"ranks": args.ranks, "steps": args.steps, "model": args.model, "seed": args.seed,
+                             "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
+                             "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}, "methods": {}}
         for bw in args.bandwidths:
             shaping = lab.shape(bw, args.delay) if lab else "none"
             results["setup"].setdefault("shaping", {})[bw] = shaping

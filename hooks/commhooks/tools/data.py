@@ -8,27 +8,30 @@ Published test accuracies: logistic regression 32 %, MLP 68 %, CNN 94 %.
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 from typing import Dict, Iterator, Tuple
 
 import torch
 
 def load_mnist1d(cache_dir: Path, seed: int = 42) -> Dict[str, torch.Tensor]:
-    """Return ``{"x", "y", "x_test", "y_test"}`` tensors; x is (N, 1, 40) float32."""
-    cache = Path(cache_dir) / f"mnist1d-seed{seed}.pkl"
+    """Return ``{"x", "y", "x_test", "y_test"}`` tensors; x is (N, 1, 40) float32.
+
+    The cache holds tensors only and is read with ``weights_only=True``: a cache file that someone else
+    put there cannot run code (an older pickle cache, ``.pkl``, is never read).
+    """
+    cache = Path(cache_dir) / f"mnist1d-seed{seed}.pt"
     if cache.is_file():
-        raw = pickle.loads(cache.read_bytes())
+        raw = torch.load(cache, map_location="cpu", weights_only=True)
     else:
         from mnist1d.data import get_dataset_args, make_dataset
 
         args = get_dataset_args()
         args.seed = seed
-        raw = make_dataset(args)
-        raw = {k: raw[k] for k in ("x", "y", "x_test", "y_test")}
+        made = make_dataset(args)
+        raw = {k: torch.as_tensor(made[k]) for k in ("x", "y", "x_test", "y_test")}
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(pickle.dumps(raw))
+        torch.save(raw, tmp)
         os.replace(tmp, cache)  # atomic: ranks may build it at the same time
     out = {}
     for split in ("", "_test"):
