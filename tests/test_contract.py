@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
 from commhooks import config, registry
+from commhooks.algorithms.alignment import STEP_PROOF_BYTES
 from commhooks.config import ConfigError, load_config, to_dict
 from tests.dist import run_ranks
 
@@ -71,7 +72,7 @@ def test_toy_algorithm_runs_under_ddp_with_no_adapter_change():
         for a, b in zip(plain, toy):
             assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
         assert (step, syncs) == (7, 2)
-        assert tags == {"grad": 4 * numel * 7, "sync": 4 * numel * 2}
+        assert tags == {"grad": 4 * numel * 7, "sync": (4 * numel + STEP_PROOF_BYTES) * 2}
         assert report["algorithm"] == "mean-every-step" and report["syncs"] == 2
 
 

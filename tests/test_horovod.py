@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from commhooks.algorithms.alignment import STEP_PROOF_BYTES
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SCRIPT = str(REPO / "tests" / "scripts" / "hvd_equivalence.py")
@@ -56,7 +58,8 @@ def check_toy(toy, engine, steps):
     (w_ddp, b_ddp, s_ddp), (w_eng, b_eng, s_eng) = toy["ddp"], toy[engine]
     numel = sum(t.numel() for t in w_ddp.values())
     assert s_ddp == s_eng == steps
-    assert b_ddp == b_eng == 4 * numel * (steps + steps // 3), (b_ddp, b_eng)  # grads every step + params every 3
+    # grads every step + params (and the step proof) every 3
+    assert b_ddp == b_eng == 4 * numel * (steps + steps // 3) + STEP_PROOF_BYTES * (steps // 3), (b_ddp, b_eng)
     for n in w_ddp:
         assert torch.allclose(w_ddp[n], w_eng[n], atol=1e-5, rtol=1e-4), (engine, n)
         assert torch.allclose(w_ddp[n], toy["plain"][n], atol=1e-5, rtol=1e-4), ("plain DDP", n)

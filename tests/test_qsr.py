@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
+from commhooks.algorithms.alignment import STEP_PROOF_BYTES
 from commhooks.config import QSRConfig
 from commhooks.algorithms.qsr import qsr_period
 from tests.dist import run_ranks
@@ -172,7 +173,7 @@ def _sync_consistency(rank, world, steps, h_base):
 def test_identical_after_sync_divergent_between_and_metered():
     r0, r1 = run_ranks(_sync_consistency, 2, steps=12, h_base=3)
     assert r0["synced"] == [(s + 1) % 3 == 0 for s in range(12)]
-    per_sync = (r0["n_params"] + r0["n_float_buffers"]) * 4
+    per_sync = (r0["n_params"] + r0["n_float_buffers"]) * 4 + STEP_PROOF_BYTES  # + the step the sync proves
     assert r0["n_float_buffers"] == 32  # BatchNorm running mean and var; num_batches_tracked is left alone
     for step in range(12):
         a, b = r0["snaps"][step], r1["snaps"][step]

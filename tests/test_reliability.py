@@ -95,7 +95,7 @@ def _checkpoint_layout(rank, world, ckdir):
 def test_checkpoint_layout_per_rank_and_latest(tmp_path):
     names, latest = run_ranks(_checkpoint_layout, 2, ckdir=str(tmp_path))[0]
     assert names == ["latest", "step-00000005", "step-00000006"] and latest == "step-00000006"  # keep=2
-    assert sorted(p.name for p in (tmp_path / latest).iterdir()) == ["rank0.pt", "rank1.pt"]
+    assert sorted(p.name for p in (tmp_path / latest).iterdir()) == ["manifest.json", "rank0.pt", "rank1.pt"]
 
 
 # --------------------------------------------------------------------------

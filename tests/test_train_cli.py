@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from commhooks.algorithms.alignment import STEP_PROOF_BYTES
+
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
@@ -29,7 +31,8 @@ def test_train_qsr_and_baseline_summaries(tmp_path):
     ddp, qsr = runs["none"], runs["qsr"]
     assert ddp["syncs"] == 60 and ddp["bytes_per_rank"] % 60 == 0
     per_step = ddp["bytes_per_rank"] // 60  # one gradient-sized payload per step
-    assert qsr["bytes_per_rank"] == qsr["syncs"] * per_step  # one parameter-sized payload per sync
+    # one parameter-sized payload per sync, and the step it proves
+    assert qsr["bytes_per_rank"] == qsr["syncs"] * (per_step + STEP_PROOF_BYTES)
     assert qsr["syncs"] < 60 and qsr["config"]["total_steps"] == 60
     table = subprocess.run(
         [sys.executable, "-m", "commhooks.cli", "table", str(tmp_path / "none.json"), str(tmp_path / "qsr.json")],

@@ -15,7 +15,7 @@ from .algorithms.ab import ABConfig, ABState, LRRebound
 from .algorithms.base import AlgorithmState, EngineFacts
 from .algorithms.consistency import DivergenceError, NonFiniteError
 from .algorithms.qsr import QSRConfig, QSRState, qsr_period
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .comm import CollectiveError
 from .config import ConfigError, HookConfig, load_config
 from .ddp import allreduce_hook, comm_hook
@@ -41,6 +41,7 @@ __all__ = [
     "CollectiveError",
     "DivergenceError",
     "NonFiniteError",
+    "CheckpointError",
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",

@@ -1,46 +1,89 @@
-"""Checkpoints that resume a hooked run exactly, and survive a rank dying mid-save.
+"""Checkpoints that resume a hooked run exactly, never lie about being complete, and load no foreign code.
 
 Local methods make each rank's optimizer state (and, between syncs, its
 weights) its own, so every rank writes its own file::
 
-    <dir>/step-00000400/rank0.pt, rank1.pt, ...
+    <dir>/step-00000400/rank0.pt, rank1.pt, ..., manifest.json
     <dir>/latest                         -> "step-00000400", written last
 
-Each file holds the model, the optimizer, the hook state (QSR: step,
+Each rank file holds the model, the optimizer, the hook state (QSR: step,
 since_sync, H; AB: step, phase clock, bases, ranks), the lr scheduler and the
-RNG state.  Files are written to a temporary name and renamed; after a
-barrier, rank 0 points ``latest`` at the new folder, so ``latest`` only ever
-names a checkpoint that every rank finished.  A run killed at any moment
-resumes from the last complete one: nothing before it is lost.
+RNG state.  Saving is collective:
+
+1. the ranks agree on the step first (a rank at another step is a
+   DivergenceError on every rank, before anything is written);
+2. each rank writes its file to a temporary name and renames it;
+3. after a barrier rank 0 writes ``manifest.json`` (world size, step, whether
+   the hook had just synced) and only then points ``latest`` at the folder.
+
+So ``latest`` and every folder with a manifest name a complete checkpoint.
+Loading is collective too: every rank checks that its file exists and loads
+(with ``weights_only=True``: a file that needs anything beyond tensors and
+plain containers is refused, naming the file and the type); if any rank
+fails, all of them fall back to the newest older complete checkpoint with a
+warning naming what was skipped, or, when none is left or a step was asked
+for, raise the same error on every rank naming the file.  A checkpoint of
+another world size is refused with what to do, unless it was taken right
+after a sync (``save_checkpoint(..., synced_only=True)`` guarantees that):
+then every rank is the same model, and each new rank loads rank 0's file.
 
     commhooks.save_checkpoint("ckpt", model, optimizer, state, scheduler)
-    step = commhooks.load_checkpoint("ckpt", model, optimizer, state, scheduler)  # None: nothing to resume
+    ck = commhooks.load_checkpoint("ckpt", model, optimizer, state, scheduler)  # None: nothing to resume
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import shutil
+import warnings
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ._version import __version__
+from .algorithms.consistency import DivergenceError
+
+MANIFEST = "manifest.json"
 
 
-def _rank(state) -> int:
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used: missing, incomplete, unreadable, or from another world size."""
+
+
+# ------------------------------------------------------------------ collectives (state's Comm, else dist)
+
+
+def _rank_world(state) -> Tuple[int, int]:
     if state is not None and hasattr(state, "comm"):
-        return state.comm.rank
-    return dist.get_rank() if dist.is_initialized() else 0
+        return state.comm.rank, state.comm.size
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _allreduce_max(state, values: torch.Tensor) -> torch.Tensor:
+    """Elementwise max over the ranks (unmetered), in place."""
+    if _rank_world(state)[1] == 1:
+        return values
+    if state is not None and hasattr(state, "comm"):
+        state.comm.allreduce([values], op="max", tag="checkpoint", metered=False)
+    else:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
 
 
 def _barrier(state) -> None:
     if state is not None and hasattr(state, "comm"):
         state.comm.barrier()
-    elif dist.is_initialized():
+    elif dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+# ------------------------------------------------------------------ save
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -49,18 +92,35 @@ def _atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _just_synced(state, step: int) -> bool:
+    return bool(state is not None and getattr(state, "sync_steps", None) and state.sync_steps[-1] == step)
+
+
 def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, step: Optional[int] = None,
-                    extra=None, keep: int = 2) -> Path:
-    """Write this rank's file of checkpoint ``step`` (default: the hook's step); collective (a barrier).
+                    extra=None, keep: int = 2, synced_only: bool = False) -> Optional[Path]:
+    """Write this rank's file of checkpoint ``step`` (default: the hook's step); collective.
 
     ``model`` may be wrapped (DDP's ``.module`` is saved).  ``keep`` complete
-    checkpoints are kept; older ones are removed by rank 0.
+    checkpoints are kept; older ones are removed by rank 0.  ``extra`` must be
+    tensors and plain containers (it is loaded with ``weights_only=True``).
+    ``synced_only=True`` writes only if the hook synced at this very step
+    (returns None otherwise): such a checkpoint also resumes on another number
+    of ranks.
     """
     if step is None:
         if state is None:
             raise ValueError("save_checkpoint needs step= when no hook state is given")
         step = state.step
-    rank = _rank(state)
+    rank, world = _rank_world(state)
+    spread = _allreduce_max(state, torch.tensor([float(step), -float(step)], dtype=torch.float64))
+    high, low = int(spread[0]), -int(spread[1])
+    if high != low:
+        raise DivergenceError(
+            f"save_checkpoint: the ranks are at different steps (from {low} to {high}; this rank {rank} at {step}): "
+            "call it at the same point of the loop on every rank; nothing was written")
+    synced = _just_synced(state, step)
+    if synced_only and not synced:
+        return None
     root = Path(directory)
     folder = root / f"step-{step:08d}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -68,6 +128,9 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
     _atomic_save({
         "version": __version__,
         "step": step,
+        "rank": rank,
+        "world_size": world,
+        "synced": synced,
         "model": module.state_dict(),
         "optimizer": optimizer.state_dict(),
         "hook": None if state is None else state.state_dict(),
@@ -75,36 +138,131 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
         "rng": torch.get_rng_state(),
         "extra": extra,
     }, folder / f"rank{rank}.pt")
-    _barrier(state)  # every rank's file is on disk before `latest` moves
+    _barrier(state)  # every rank's file is on disk before the manifest and `latest` name the folder
     if rank == 0:
+        tmp = folder / f"{MANIFEST}.tmp{os.getpid()}"
+        tmp.write_text(json.dumps({"step": step, "world_size": world, "synced": synced, "version": __version__}))
+        os.replace(tmp, folder / MANIFEST)
         tmp = root / f"latest.tmp{os.getpid()}"
         tmp.write_text(folder.name)
         os.replace(tmp, root / "latest")
-        complete = sorted(p for p in root.glob("step-*") if p.is_dir())
-        for old in complete[:-keep] if keep > 0 else []:
+        complete = [p for p in _complete_folders(root)]
+        for old in complete[keep:] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     _barrier(state)
     return folder
 
 
-def latest_checkpoint(directory) -> Optional[Path]:
-    """The folder ``latest`` names, or None."""
-    pointer = Path(directory) / "latest"
-    if not pointer.is_file():
+# ------------------------------------------------------------------ load
+
+
+def _manifest(folder: Path) -> Optional[dict]:
+    try:
+        return json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
         return None
-    folder = Path(directory) / pointer.read_text().strip()
-    return folder if folder.is_dir() else None
+
+
+def _complete_folders(root: Path) -> List[Path]:
+    """Folders with a manifest, newest step first."""
+    found = [p for p in root.glob("step-*") if p.is_dir() and _manifest(p) is not None]
+    return sorted(found, key=lambda p: _manifest(p)["step"], reverse=True)
+
+
+def latest_checkpoint(directory) -> Optional[Path]:
+    """The newest complete checkpoint folder: the one ``latest`` names if it is complete, else the newest
+    folder with a manifest; None if there is none."""
+    root = Path(directory)
+    pointer = root / "latest"
+    if pointer.is_file():
+        folder = root / pointer.read_text().strip()
+        if folder.is_dir() and _manifest(folder) is not None:
+            return folder
+    complete = _complete_folders(root) if root.is_dir() else []
+    return complete[0] if complete else None
+
+
+def _read(path: Path) -> Tuple[Optional[dict], str]:
+    """(contents, "") or (None, why) for one rank file, loaded without running foreign code."""
+    if not path.is_file():
+        return None, f"{path} is missing"
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True), ""
+    except pickle.UnpicklingError as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln or "Unsupported" in ln]
+        return None, (f"{path} needs more than tensors and plain containers to load, refused (weights_only=True): "
+                      f"{lines[0] if lines else type(exc).__name__}")
+    except Exception as exc:  # a truncated or corrupt file: torch's zip reader errors
+        return None, f"{path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+
+
+def _file_for(folder: Path, rank: int, world: int) -> Tuple[Optional[Path], str]:
+    manifest = _manifest(folder) or {}
+    saved_world = manifest.get("world_size", world)
+    if saved_world == world:
+        return folder / f"rank{rank}.pt", ""
+    if manifest.get("synced"):
+        return folder / "rank0.pt", ""  # right after a sync every rank held the same model
+    return None, (
+        f"{folder} was written by {saved_world} ranks and this run has {world}: between syncs each rank's model "
+        f"is its own, so it cannot be split or merged; resume with {saved_world} ranks, or from a checkpoint "
+        "taken right after a sync (save_checkpoint(..., synced_only=True), or any checkpoint at a sync step)")
 
 
 def load_checkpoint(directory, model, optimizer, state=None, scheduler=None, step: Optional[int] = None) -> Optional[dict]:
-    """Restore this rank's part of the latest complete checkpoint (or of ``step``); its contents, or None."""
-    folder = latest_checkpoint(directory) if step is None else Path(directory) / f"step-{step:08d}"
-    if folder is None or not folder.is_dir():
+    """Restore this rank's part of the newest complete checkpoint (or of ``step``); collective.
+
+    Returns the file's contents, or None when the directory holds no
+    checkpoint.  Every rank returns the same step or raises the same
+    :class:`CheckpointError`.
+    """
+    rank, world = _rank_world(state)
+    root = Path(directory)
+    if step is not None:
+        candidates = [root / f"step-{step:08d}"]
+    else:
+        candidates = _complete_folders(root) if root.is_dir() else []
+        pointer = root / "latest"
+        named = root / pointer.read_text().strip() if pointer.is_file() else None
+        if named is not None and named not in candidates:
+            warnings.warn(f"{root / 'latest'} names {named.name}, which is not a complete checkpoint; "
+                          "looking at the complete ones beside it", stacklevel=2)
+    # every rank walks the same list, so every rank makes the same decisions
+    seen = _allreduce_max(state, torch.tensor([len(candidates), -len(candidates)], dtype=torch.float64))
+    if int(seen[0]) != -int(seen[1]):
+        raise CheckpointError(f"the ranks see different checkpoints in {root} (is it on a shared filesystem?)")
+    if not candidates:
         return None
-    path = folder / f"rank{_rank(state)}.pt"
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder} has no file for this rank ({path.name}): was the world size changed?")
-    ck = torch.load(path, map_location="cpu", weights_only=False)
+    skipped: List[str] = []
+    for folder in candidates:
+        path, why = _file_for(folder, rank, world)
+        ck = None
+        if path is not None:
+            ck, why = _read(path)
+            if ck is not None and ck.get("step") != (_manifest(folder) or {}).get("step", ck.get("step")):
+                ck, why = None, f"{path} holds step {ck.get('step')}, not the folder's"
+        failed = torch.zeros(world, dtype=torch.float64)
+        failed[rank] = 0.0 if ck is not None else 1.0
+        _allreduce_max(state, failed)
+        if not bool(failed.any()):
+            _restore(ck, model, optimizer, state, scheduler)
+            if skipped:
+                warnings.warn(f"resumed from {folder.name}; skipped newer checkpoints: {'; '.join(skipped)}",
+                              stacklevel=2)
+            return ck
+        bad = [r for r in range(world) if failed[r]]
+        if path is None:  # another world size: the same verdict on every rank
+            reason = why
+        else:
+            files = ", ".join(str(_file_for(folder, r, world)[0]) for r in bad)
+            reason = f"missing or unreadable on rank(s) {bad}: {files}" + (f" [this rank: {why}]" if ck is None else "")
+        skipped.append(f"{folder.name} ({reason})")
+        if step is not None or path is None:
+            raise CheckpointError(f"cannot resume from {folder}: {reason}")
+    raise CheckpointError(f"no usable checkpoint in {root}: {'; '.join(skipped)}")
+
+
+def _restore(ck: dict, model, optimizer, state, scheduler) -> None:
     getattr(model, "module", model).load_state_dict(ck["model"])
     optimizer.load_state_dict(ck["optimizer"])
     if state is not None and ck["hook"] is not None:
@@ -112,4 +270,3 @@ def load_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
     if scheduler is not None and ck["scheduler"] is not None:
         scheduler.load_state_dict(ck["scheduler"])
     torch.set_rng_state(ck["rng"])
-    return ck

@@ -68,8 +68,9 @@ def schema(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="commhooks", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="commhooks", description=(
+        "Communication-efficient training hooks for PyTorch DDP, Horovod and DeepSpeed. train and bench need "
+        "the commhooks[tools] extra; table and schema run with the library alone."))
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
     for name, text in (("train", "train with a hook (under a launcher); `commhooks train -h` for its options"),
                        ("bench", "run every method side by side; `commhooks bench -h` for its options")):

@@ -25,11 +25,18 @@ def optimizer_moments(optimizer: torch.optim.Optimizer, params: Iterable[torch.T
     return out
 
 
-def average_(comm: Comm, tensors: Iterable[torch.Tensor], group=None, tag: str = "sync") -> None:
-    """Average ``tensors`` in place over ``group``: one flat allreduce per (dtype, device)."""
+def average_(comm: Comm, tensors: Iterable[torch.Tensor], group=None, tag: str = "sync",
+             rider: Optional[torch.Tensor] = None) -> None:
+    """Average ``tensors`` in place over ``group``: one flat allreduce per (dtype, device).
+
+    ``rider`` (float32, e.g. the step proof) travels first in the float32 call, or alone if there is none.
+    """
     buckets: Dict[tuple, List[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         buckets[(t.dtype, t.device)].append(t)
+    if rider is not None:
+        key = next((k for k in buckets if k[0] == torch.float32), (torch.float32, rider.device))
+        buckets[key].insert(0, rider)  # first: the caller makes it on the parameters' device
     with torch.no_grad():
         for same_kind in buckets.values():
             comm.allreduce([t.data for t in same_kind], op="mean", group=group, tag=tag)

@@ -67,8 +67,9 @@ from typing import Callable, ClassVar, Dict, Iterable, List, Optional, Sequence,
 import torch
 
 from .._version import __version__
-from ..comm import Comm, Work
+from ..comm import CollectiveError, Comm, Work
 from ..config import ConfigError, HookConfig, from_dict, load_config, to_dict
+from . import alignment
 from .averaging import average_, float_buffers
 from .consistency import guard_gradients, verify_identical, verify_same_everywhere
 
@@ -112,7 +113,10 @@ def engine_facts(model) -> EngineFacts:
 class AlgorithmState:
     """Base class of every algorithm's state; see the module docstring for the contract.
 
-    ``optimizer``: the optimizer whose steps drive the schedule.  ``model``:
+    ``optimizer``: the optimizer whose steps drive the schedule, or a list
+    of them in the order the loop steps them (the first one's pre-hook
+    starts an iteration, the last one's post-hook ends it; the parameters
+    of all are synced).  ``model``:
     the (possibly wrapped) model; ``named_parameters`` replaces it where only
     those are at hand (Horovod).  ``engine``: facts from the adapter
     (default: derived from ``model``).  ``comm`` / ``process_group``: where
@@ -138,7 +142,8 @@ class AlgorithmState:
         **settings,
     ):
         self.config = self._resolve_config(config, settings)
-        self.optimizer = optimizer
+        self.optimizers = self._optimizer_list(optimizer)
+        self.optimizer = self.optimizers[0]
         self.engine = engine if engine is not None else engine_facts(model)
         self.module = self.engine.module
         self.named_params = self._named_parameters(named_parameters)
@@ -153,15 +158,21 @@ class AlgorithmState:
         self.syncs = 0
         self.skipped_steps = 0
         self.sync_steps: List[int] = []  # optimizer steps after which a sync happened (this process)
+        self.joined = False  # True while this rank shadows the others inside a Join context
+        self._join_config = None  # set by torch's Join context manager
         self.setup()
         verify_same_everywhere(comm, f"the {self.display_name} hook", {
             "config": to_dict(self.config), "world": comm.size, "version": __version__,
             "params": [(n, tuple(p.shape)) for n, p in self.named_params], **self.describe()})
         self.start()
-        self._handles = [
-            optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.begin_step()),
-            optimizer.register_step_post_hook(lambda opt, args, kwargs: self.end_step()),
-        ]
+        self._amp_owned = [opt for opt in self.optimizers if alignment.take_over_amp_scaling(opt)]
+        first, last = self.optimizers[0], self.optimizers[-1]
+        self._handles = []
+        for opt in self.optimizers:
+            self._handles.append(opt.register_step_pre_hook(
+                lambda o, args, kwargs: self._pre_step(o, starts=o is first)))
+            if opt is last:
+                self._handles.append(opt.register_step_post_hook(lambda o, args, kwargs: self.end_step()))
 
     # ------------------------------------------------------------ set-up
     def _resolve_config(self, config, settings) -> HookConfig:
@@ -174,6 +185,16 @@ class AlgorithmState:
             raise ConfigError(f"{cls.__name__} needs a {cls.name!r} config, got type 'none'")
         return conf
 
+    @staticmethod
+    def _optimizer_list(optimizer) -> List[torch.optim.Optimizer]:
+        opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        for i, opt in enumerate(opts):
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise ConfigError(f"optimizer[{i}] must be a torch.optim.Optimizer, got {type(opt).__name__}")
+        if not opts or len({id(o) for o in opts}) != len(opts):
+            raise ConfigError("optimizer must be an optimizer or a non-empty list of distinct optimizers")
+        return opts
+
     def _named_parameters(self, named_parameters) -> List[Tuple[str, torch.Tensor]]:
         """The trainable parameters the algorithm covers: the model's (by name), then any other the
         optimizer holds (named by their place in it)."""
@@ -185,12 +206,13 @@ class AlgorithmState:
             named = []
         named = [(n, p) for n, p in named if p.requires_grad]
         seen = {id(p) for _, p in named}
-        for i, group in enumerate(self.optimizer.param_groups):
-            for j, p in enumerate(group["params"]):
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    named.append((f"param{len(named)}" if not named_parameters and self.module is None
-                                  else f"optimizer.param_groups[{i}][{j}]", p))
+        for k, opt in enumerate(self.optimizers):
+            where = "optimizer" if len(self.optimizers) == 1 else f"optimizer[{k}]"
+            for i, group in enumerate(opt.param_groups):
+                for j, p in enumerate(group["params"]):
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        named.append((f"{where}.param_groups[{i}][{j}]", p))
         return named
 
     @classmethod
@@ -230,10 +252,27 @@ class AlgorithmState:
         return float(group.get("scheduled_lr", group["lr"]))
 
     # ----------------------------------------------------- driven by engines
+    def _pre_step(self, optimizer, starts: bool) -> None:
+        """Pre-hook of every optimizer: a GradScaler's unscale/skip, the NaN guard; the first one also
+        starts the iteration (:meth:`begin_step`)."""
+        grad_scale, found_inf = alignment.scaler_inputs(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if found_inf is not None:  # a GradScaler checked these gradients: it, not the guard, decides
+            if any(optimizer is o for o in self._amp_owned) and alignment.apply_scaler(optimizer, params, grad_scale, found_inf):
+                self.skipped_steps += 1
+        else:
+            own = {id(p) for p in params}
+            named = [(n, p) for n, p in self.named_params if id(p) in own]
+            if guard_gradients(named, self.config.nonfinite, self.step, self.comm.rank):
+                self.skipped_steps += 1
+        if starts:
+            self.begin_step()
+
     def begin_step(self) -> None:
-        """Before each optimizer step: the NaN/Inf guard, then :meth:`before_step`."""
-        if guard_gradients(self.named_params, self.config.nonfinite, self.step, self.comm.rank):
-            self.skipped_steps += 1
+        """Before each iteration's first optimizer step: tell a Join context this rank is still training,
+        then :meth:`before_step`."""
+        if self._join_config is not None and self._join_config.enable:
+            self.comm.notify_join(self)
         self.before_step()
 
     def end_step(self) -> None:
@@ -262,23 +301,101 @@ class AlgorithmState:
         return [] if self.engine.buffers_synced_each_forward else float_buffers(self.module)
 
     def average(self, tensors: Sequence[torch.Tensor], group=None, tag: str = "sync") -> None:
-        """Average ``tensors`` in place over ``group`` (default: the world), one flat call per dtype."""
-        average_(self.comm, tensors, group=group, tag=tag)
+        """Average ``tensors`` in place over ``group`` (default: the world), one flat call per dtype.
+
+        The step counter rides along (:func:`alignment.step_proof`, a few float32 elements of the same
+        call): ranks at different steps raise DivergenceError on every rank.  A failed or timed-out
+        collective says which step it was and what usually causes it.
+        """
+        device = next((t.device for t in tensors), torch.device("cpu"))
+        proof = alignment.step_proof(self.step).to(device)
+        try:
+            average_(self.comm, tensors, group=group, tag=tag, rider=proof)
+        except CollectiveError as exc:
+            raise CollectiveError(
+                f"{exc} [at optimizer step {self.step}; if a peer has finished its data (uneven inputs), wrap the "
+                "loop in `with torch.distributed.algorithms.join.Join([ddp_model, state]):`; if a peer died or "
+                "is stuck, its own log says why]") from None  # the message already holds the backend's
+        size = self.comm.size if group is None else group.size
+        alignment.check_step_proof(proof, self.step, size, self.comm.rank, f"{self.display_name} {tag} at step {self.step}")
+
+    def agree_on_period(self, local: Optional[int]) -> Optional[int]:
+        """Inside a Join context, the period every rank uses: the max over ranks (a joined rank, whose lr no
+        longer moves, sends 0).  Outside one: ``local`` unchanged, no communication."""
+        if self._join_config is None or not self._join_config.enable or self.comm.size == 1:
+            return local
+        value = torch.tensor([0.0 if self.joined or local is None else float(local)], dtype=torch.float64)
+        self.comm.allreduce([value], op="max", tag="join", metered=False)
+        return int(value.item())
+
+    def sync_named(self) -> List[Tuple[str, torch.Tensor]]:
+        """Everything a sync makes identical, by name (what ``check_every`` compares); subclasses extend it."""
+        return list(self.named_params) + [(f"buffer{i}", b) for i, b in enumerate(self.float_buffers())]
 
     def synced(self) -> None:
         """Count a completed sync; every ``check_every``-th, prove the ranks now agree (raises on every rank)."""
         self.syncs += 1
         self.sync_steps.append(self.step)
         if self.config.check_every and self.syncs % self.config.check_every == 0:
-            named = list(self.named_params) + [(f"buffer{i}", b) for i, b in enumerate(self.float_buffers())]
-            verify_identical(self.comm, named, f"after {self.display_name} sync {self.syncs} (step {self.step})")
+            verify_identical(self.comm, self.sync_named(), f"after {self.display_name} sync {self.syncs} (step {self.step})")
+
+    def refresh_parameters(self) -> List[str]:
+        """Bring in parameters that became trainable or were added to an optimizer since the state was built.
+
+        Called before each sync (local check; a handshake only when something changed, and then on every
+        rank that made the same change, as ranks running the same code do).  Returns the new names.
+        """
+        current = self._named_parameters(None if self.module is not None else [
+            (n, p) for n, p in self.named_params])
+        known = {id(p) for _, p in self.named_params}
+        new = [(n, p) for n, p in current if id(p) not in known]
+        if not new:
+            return []
+        verify_same_everywhere(self.comm, f"the {self.display_name} hook's new parameters",
+                               {"new": [(n, tuple(p.shape)) for n, p in new], "step": self.step})
+        self.named_params = self.named_params + new
+        self._name_of = {id(p): n for n, p in self.named_params}
+        self.parameters_added(new)
+        return [n for n, _ in new]
+
+    def parameters_added(self, new: List[Tuple[str, torch.Tensor]]) -> None:
+        """Subclass hook: parameters that joined the sync (after :meth:`refresh_parameters`)."""
+
+    # ------------------------------------------------------------ Join
+    def join_hook(self, **kwargs) -> alignment.ShadowJoinHook:
+        """torch's Joinable protocol: ``with Join([ddp_model, state]):`` lets ranks with fewer batches shadow."""
+        return alignment.ShadowJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return next((p.device for _, p in self.named_params), torch.device("cpu"))
+
+    @property
+    def join_process_group(self):
+        return self.comm.world.handle
+
+    def shadow_step(self) -> None:
+        """One iteration of the others, on a rank that has run out of data: agree on periods, count the
+        step, take part in its sync or phase switch.  The optimizer makes no update."""
+        self.joined = True
+        self.before_step()
+        self.end_step()
+
+    def final_sync(self) -> None:
+        """At the end of a Join context (every rank calls it): sync if the last round was left open."""
+        self.joined = False
+        if self.step and (not self.sync_steps or self.sync_steps[-1] != self.step):
+            self.sync()
 
     # ---------------------------------------------------------- lifecycle
     def remove(self) -> None:
-        """Unregister the optimizer hooks (a DDP comm hook stays until DDP is rebuilt)."""
+        """Unregister the optimizer hooks and hand AMP scaling back (a DDP comm hook stays until DDP is rebuilt)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        for opt in self._amp_owned:
+            alignment.release_amp_scaling(opt)
+        self._amp_owned = []
 
     def state_dict(self) -> dict:
         """The counters and the subclass's :meth:`algorithm_state_dict` (tensors and plain types only)."""

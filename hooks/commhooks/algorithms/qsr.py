@@ -44,7 +44,7 @@ through the :class:`~commhooks.algorithms.base.AlgorithmState` contract.
 from __future__ import annotations
 
 import warnings
-from typing import List, Literal, Optional
+from typing import List, Literal, Optional, Tuple
 
 import torch
 from pydantic import Field
@@ -135,8 +135,8 @@ class QSRState(AlgorithmState):
             )
 
     def before_step(self) -> None:
-        if self.H is None:
-            self.H = qsr_period(self.step, self.lr(), self.config)
+        if self.H is None:  # a round starts: its period from the lr of its first step (agreed inside Join)
+            self.H = self.agree_on_period(qsr_period(self.step, self.lr(), self.config))
 
     def after_step(self) -> None:
         if self.H is None:  # a step that bypassed the pre-hook
@@ -145,19 +145,21 @@ class QSRState(AlgorithmState):
         if self.since_sync >= self.H:
             self.sync()
 
-    def sync_tensors(self) -> List[torch.Tensor]:
+    def sync_named(self) -> List[Tuple[str, torch.Tensor]]:
         """Parameters, floating buffers (``average_buffers``), optimizer moments (``average_optimizer_state``)."""
-        params = [p for _, p in self.named_params]
-        tensors = list(params)
+        named = list(self.named_params)
         if self.config.average_buffers:
-            tensors += float_buffers(self.module)
+            named += [(f"buffer{i}", b) for i, b in enumerate(float_buffers(self.module))]
         if self.config.average_optimizer_state:
-            tensors += optimizer_moments(self.optimizer, params)
-        return tensors
+            params = [p for _, p in self.named_params]
+            moments = [m for opt in self.optimizers for m in optimizer_moments(opt, params)]
+            named += [(f"moment{i}", m) for i, m in enumerate(moments)]
+        return named
 
     def sync(self) -> None:
         """Average the model over the group now and start a new round."""
-        self.average(self.sync_tensors(), tag="sync")
+        self.refresh_parameters()
+        self.average([t for _, t in self.sync_named()], tag="sync")
         self.since_sync = 0
         self.H = None
         self.synced()

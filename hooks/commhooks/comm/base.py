@@ -283,6 +283,9 @@ class Comm:
         unflatten_into(flat, tensors)
         return tensors
 
+    def notify_join(self, joinable) -> None:
+        """Tell a ``torch.distributed`` Join context that this rank still trains (no-op for other backends)."""
+
     def barrier(self, group: Optional[Group] = None) -> None:
         """Wait for every rank of ``group`` (an unmetered one-element allreduce, with the timeout)."""
         self.allreduce([torch.zeros(1)], op="sum", group=group, tag="barrier", metered=False)

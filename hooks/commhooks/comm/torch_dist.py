@@ -51,6 +51,14 @@ class TorchComm(Comm):
     def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
         self._wait(dist.broadcast(flat, src=self._global_ranks[src], group=group.handle, async_op=True))
 
+    def notify_join(self, joinable) -> None:
+        """``Join.notify_join_context``: an allreduce only if ``joinable`` is the first in the Join context."""
+        from torch.distributed.algorithms.join import Join
+
+        work = Join.notify_join_context(joinable)
+        if work is not None:
+            self._wait(work)
+
     def _make_group(self, ranks: Tuple[int, ...]) -> Any:
         timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
         return dist.new_group([self._global_ranks[r] for r in ranks], timeout=timeout)

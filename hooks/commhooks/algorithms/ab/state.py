@@ -127,7 +127,8 @@ class ABState(AlgorithmState):
     def before_step(self) -> None:
         """Under ``sync_rule="qsr"``, size an AB phase from the lr it starts with."""
         if needs_length(self.clock, self.config):
-            self.clock.phase_end = self.step + ab_phase_length(self.step, self.lr(), self.config)
+            length = self.agree_on_period(ab_phase_length(self.step, self.lr(), self.config))
+            self.clock.phase_end = self.step + length
 
     def after_step(self) -> None:
         """Run the transitions due before the next step."""
@@ -187,10 +188,23 @@ class ABState(AlgorithmState):
 
     def sync(self) -> None:
         """Average the groups' models over the world, leave AB, clear optimizer state."""
-        transitions.sync(self.comm, self._param, self.bases, self.role, self.config.sync, self.float_buffers())
+        self.refresh_parameters()
+        transitions.sync(self.average, self._param, self.bases, self.role, self.config.sync, self.float_buffers())
         clear_optimizer_state(self.optimizer, self._param.values())
         self.bases = {}
         self.synced()
+
+    def parameters_added(self, new) -> None:
+        """Parameters that became trainable or joined an optimizer: synced from now on, kept dense."""
+        self._param.update(dict(new))
+
+    def final_sync(self) -> None:
+        """End of a Join context: sync an open round; an AB phase then ends as at a scheduled sync."""
+        was_ab = self.phase == AB
+        super().final_sync()
+        if was_ab and self.sync_steps and self.sync_steps[-1] == self.step:
+            apply(SYNC, self.step, self.clock)
+            self.last_switch = self.step
 
     def wrap_scheduler(self, scheduler):
         """With ``rebound_steps > 0``: :class:`LRRebound` around ``scheduler``."""

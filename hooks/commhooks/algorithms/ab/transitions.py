@@ -6,12 +6,11 @@ state (:mod:`commhooks.algorithms.ab.state`) decides when to call them.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ...comm import Comm
-from ..averaging import average_
 from ..consistency import nonfinite_anywhere, spread_over_ranks
 from .config import ABConfig
 from .lowrank import Basis, basis_from_svd, choose_rank, compression_ratio, svd, tall_view
@@ -64,9 +63,10 @@ def agree(comm: Comm, bases: Dict[str, Basis]) -> None:
 
 
 @torch.no_grad()
-def sync(comm: Comm, params: Dict[str, torch.Tensor], bases: Dict[str, Basis], role: str, mode: str,
-         buffers: List[torch.Tensor]) -> None:
-    """Average the groups' models over the world.
+def sync(average: Callable[..., None], params: Dict[str, torch.Tensor], bases: Dict[str, Basis], role: str,
+         mode: str, buffers: List[torch.Tensor]) -> None:
+    """Average the groups' models over the world with ``average(tensors, tag=...)`` (the state's, which
+    carries the step proof).
 
     ``full``: the world mean of every W.  ``with-stale`` (the paper's
     default): each rank's factors after its phase, recovered from W by
@@ -74,12 +74,12 @@ def sync(comm: Comm, params: Dict[str, torch.Tensor], bases: Dict[str, Basis], r
     instead of ``m n``; W becomes mean(A) mean(B) (+ residual).
     """
     if mode == "full" or not bases:
-        average_(comm, list(params.values()) + buffers, tag="sync")
+        average(list(params.values()) + buffers, tag="sync")
         return
     mats = {n: tall_view(params[n].data)[0] for n in bases}
     factors = {n: b.factors_after(mats[n], role) for n, b in bases.items()}
     dense = [p for n, p in params.items() if n not in bases]
-    average_(comm, [t for pair in factors.values() for t in pair] + dense + buffers, tag="sync")
+    average([t for pair in factors.values() for t in pair] + dense + buffers, tag="sync")
     for n, (a, b) in factors.items():
         residual = bases[n].residual
         mats[n].copy_(a @ b if residual is None else a @ b + residual)

@@ -1,0 +1,132 @@
+"""Keeping every rank on the same schedule: skipped AMP steps, a step proof in each sync, Join shadowing.
+
+Local methods issue collectives at points each rank computes for itself (a
+sync every H steps, a phase switch).  Anything that makes one rank take a
+different number of optimizer steps pairs the wrong collectives.  Three
+mechanisms keep the schedule a function of the iteration on every rank:
+
+* **GradScaler**: ``scaler.step(optimizer)`` skips ``optimizer.step()`` on a
+  rank whose gradients overflowed, so its step hooks would not see that
+  iteration.  The state marks the optimizer ``_step_supports_amp_scaling``
+  (torch's documented protocol for optimizers that handle scaling
+  themselves): the scaler then always calls ``step()`` and hands over
+  ``grad_scale`` and ``found_inf``; the state's pre-hook unscales the
+  gradients, or drops them when ``found_inf`` (the optimizer then updates
+  nothing, as the scaler would have), and the step counts on every rank.
+  Optimizers that already support it (``fused=True``) are left alone.
+* **Step proof**: every sync carries the step counter in its payload (a few
+  more elements of the same flat allreduce, no extra collective); a mismatch
+  raises :class:`DivergenceError` on every rank, naming the steps.
+* **Join**: the state is a ``torch.distributed.algorithms.join`` joinable
+  (duck-typed: ``join_hook``, ``join_device``, ``join_process_group``).  In
+  ``with Join([ddp_model, state]):`` a rank that ran out of data shadows each
+  remaining iteration of the others: it counts the step, takes part in the
+  syncs and phase switches, and agrees on lr-dependent periods (the max over
+  ranks, to which a joined rank contributes 0).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from .consistency import DivergenceError
+
+# the step is proved in base 64: three limbs (steps below 262,144 compared exactly, beyond that modulo it)
+# and their squares, plus the step itself (only for the message); all exact in float32 sums
+_LIMBS = 3
+PROOF_ELEMENTS = 2 * _LIMBS + 1
+STEP_PROOF_BYTES = 4 * PROOF_ELEMENTS  # added to the payload of every sync
+
+LIKELY_CAUSES = (
+    "likely causes: a rank called optimizer.step() a different number of times (an extra or a missing step, "
+    "a second optimizer stepped on one rank only), uneven inputs without "
+    "`with torch.distributed.algorithms.join.Join([ddp_model, state])`, or a GradScaler-like wrapper that "
+    "skips optimizer.step() on some ranks (torch.amp.GradScaler itself is handled)"
+)
+
+
+def step_proof(step: int) -> torch.Tensor:
+    """The elements a rank adds to its sync payload to prove it is at ``step``."""
+    limbs = [(step >> (6 * i)) & 63 for i in range(_LIMBS)]
+    return torch.tensor(limbs + [x * x for x in limbs] + [float(step)], dtype=torch.float32)
+
+
+def check_step_proof(mean: torch.Tensor, step: int, size: int, rank: int, what: str) -> None:
+    """Raise DivergenceError (on every rank alike) if the averaged proof shows different steps.
+
+    The ranks' limbs x_i agree iff ``n * sum(x_i^2) == (sum x_i)^2``; every rank
+    sees the same sums, so every rank reaches the same verdict.
+    """
+    if size == 1:
+        return
+    sums = torch.round(mean.double() * size)
+    first, squares = sums[:_LIMBS], sums[_LIMBS:2 * _LIMBS]
+    if bool((size * squares == first * first).all()):
+        return
+    total = float(sums[-1])
+    others = f"the other rank is at step {int(round(total - step))}" if size == 2 else (
+        f"the {size} ranks' steps add up to {int(round(total))} (mean {total / size:.2f})")
+    raise DivergenceError(
+        f"{what}: the ranks are at different optimizer steps: this rank ({rank}) is at step {step}, {others}; "
+        f"{LIKELY_CAUSES}"
+    )
+
+
+# ------------------------------------------------------------------ GradScaler
+
+
+def take_over_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """Make ``GradScaler.step`` always call ``optimizer.step()`` (the state unscales / skips); True if done."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False  # a fused optimizer handles grad_scale / found_inf itself
+    optimizer._step_supports_amp_scaling = True
+    return True
+
+
+def release_amp_scaling(optimizer: torch.optim.Optimizer) -> None:
+    optimizer.__dict__.pop("_step_supports_amp_scaling", None)
+
+
+def scaler_inputs(optimizer: torch.optim.Optimizer):
+    """``(grad_scale, found_inf)`` a GradScaler handed to this step, or ``(None, None)`` outside one."""
+    return getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
+
+
+@torch.no_grad()
+def apply_scaler(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+                 grad_scale: Optional[torch.Tensor], found_inf: torch.Tensor) -> bool:
+    """Do what ``GradScaler`` would have: drop the gradients on overflow (True), else unscale them.
+
+    The scaler's two attributes are then set to None: the optimizer's own step must not apply them
+    again (torch's non-fused optimizers refuse them), and the scaler still finds them to delete.
+    """
+    optimizer.grad_scale = None
+    optimizer.found_inf = None
+    if bool(found_inf.item()):
+        for p in params:
+            p.grad = None  # torch's optimizers then leave p, its momentum and its weight decay alone
+        return True
+    if grad_scale is not None:
+        inv = grad_scale.double().reciprocal().float()
+        grads: List[torch.Tensor] = [p.grad for p in params if p.grad is not None]
+        for g in grads:
+            g.mul_(inv.to(g.device))
+    return False
+
+
+# ------------------------------------------------------------------ Join
+
+
+class ShadowJoinHook:
+    """What a joined rank runs for each iteration the others still train (torch's ``JoinHook`` interface)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def main_hook(self) -> None:
+        self.state.shadow_step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.state.final_sync()

@@ -1,0 +1,409 @@
+"""Ranks that step differently: GradScaler skips, uneven inputs with Join, a forced mismatch,
+several optimizers, parameters that appear later. Real gloo ranks, hard timeouts."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commhooks
+from commhooks.config import ConfigError
+from tests.dist import RankError, run_ranks
+
+STEPS = 12
+QSR = {"type": "qsr", "h_base": 3, "total_steps": STEPS, "check_every": 1}
+AB = {"type": "ab", "warmup_steps": 2, "sync_period": 6, "full_rank_steps": 1, "rank_cutoff": 0.4,
+      "min_compression_rate": 0.0, "group_size": 1, "check_every": 1}
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    return torch.randn(8, 12, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def flat(net):
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
+
+
+# --------------------------------------------------------------------------
+# GradScaler: a skipped step counts, the schedule stays common
+# --------------------------------------------------------------------------
+
+
+def _scaler(rank, world, hook, overflow_at):
+    net = DDP(mlp(), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # a decaying lr: QSR alpha > 0 matters
+    state = commhooks.ddp.register(net, opt, hook)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scales = []
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        if rank == 1 and step in overflow_at:
+            loss = loss * float("inf")  # this rank's gradients overflow; the other rank's do not
+        scaler.scale(loss).backward()  # the standard recipe, not one line added
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        scales.append(scaler.get_scale())
+    return state.step, state.sync_steps, state.skipped_steps, flat(net), scales
+
+
+@pytest.mark.parametrize("hook", [QSR, {**QSR, "alpha": 0.2, "h_base": 2}, AB],
+                         ids=["qsr-alpha0", "qsr-alpha>0", "ab-groups"])
+def test_grad_scaler_overflow_on_one_rank_keeps_the_schedule(hook):
+    results = run_ranks(_scaler, 2, timeout=120, hook=hook, overflow_at=(4, 7))
+    (s0, sync0, skip0, w0, sc0), (s1, sync1, skip1, w1, sc1) = results
+    assert s0 == s1 == STEPS, (s0, s1)
+    assert sync0 == sync1 and sync0[-1] == STEPS, (sync0, sync1)
+    assert sc0 != sc1, "the overflow really happened on rank 1 only"
+    assert skip1 - skip0 == 2 if hook["type"] == "qsr" else skip1 >= skip0
+    assert torch.equal(w0, w1), "parameters must be bit-identical after the final sync"
+
+
+def _scaler_matches_manual_skip(rank, world):
+    """With no overflow, the scaler path gives the same parameters as the plain loop (unscale is exact)."""
+    out = []
+    for use_scaler in (False, True):
+        net = DDP(mlp(), forward_sync_buffers=False)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        commhooks.ddp.register(net, opt, QSR)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+        for step in range(STEPS):
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            if use_scaler:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+        out.append(flat(net))
+    return out
+
+
+def test_grad_scaler_without_overflow_equals_the_plain_loop():
+    for plain, scaled in run_ranks(_scaler_matches_manual_skip, 2, timeout=120):
+        assert torch.equal(plain, scaled)
+
+
+# --------------------------------------------------------------------------
+# a step mismatch is an error on every rank, naming both steps
+# --------------------------------------------------------------------------
+
+
+def _extra_step(rank, world):
+    """Rank 0 steps its optimizer once more at iteration 1: with a decaying lr and alpha > 0 its next
+    round gets another period, so the two ranks reach a sync at different step counts."""
+    net = DDP(mlp(), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    state = commhooks.ddp.register(net, opt, {**QSR, "h_base": 2, "alpha": 0.06, "timeout_s": 60})
+    try:
+        for step in range(STEPS):
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+            if rank == 0 and step == 1:
+                opt.step()  # one optimizer step too many on rank 0
+            sched.step()
+    except commhooks.DivergenceError as exc:
+        return str(exc), state.step
+    return None, state.step
+
+
+def test_step_mismatch_raises_divergence_error_on_every_rank():
+    (m0, s0), (m1, s1) = run_ranks(_extra_step, 2, timeout=120)
+    assert m0 is not None and m1 is not None, (m0, m1)
+    assert s0 != s1
+    for m, mine, other in ((m0, s0, s1), (m1, s1, s0)):
+        assert f"at step {mine}, the other rank is at step {other}" in m, m
+        assert "GradScaler" in m and "Join" in m, m  # the likely causes
+
+
+# --------------------------------------------------------------------------
+# uneven inputs: Join shadows syncs and phase switches
+# --------------------------------------------------------------------------
+
+
+def _uneven(rank, world, hook, batches):
+    net = DDP(mlp(), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    state = commhooks.ddp.register(net, opt, hook)
+    with Join([net, state]):
+        for step in range(batches[rank]):
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+    return state.step, state.syncs, flat(net)
+
+
+@pytest.mark.parametrize("hook", [{**QSR, "total_steps": None, "h_base": 4},
+                                  {**QSR, "total_steps": None, "h_base": 2, "alpha": 0.3},
+                                  {**AB, "sync_period": 8}], ids=["qsr", "qsr-alpha>0", "ab"])
+def test_uneven_inputs_with_join(hook):
+    (s0, n0, w0), (s1, n1, w1) = run_ranks(_uneven, 2, timeout=150, hook=hook, batches=(40, 37))
+    assert s0 == s1 == 40, (s0, s1)  # the joined rank shadowed the last 3 steps
+    assert n0 == n1
+    assert torch.equal(w0, w1), "every rank holds the same parameters after the Join context"
+
+
+def _uneven_without_join(rank, world, batches):
+    net = DDP(mlp(), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    commhooks.ddp.register(net, opt, {**QSR, "total_steps": None, "h_base": 4, "timeout_s": 15})
+    try:
+        for step in range(batches[rank]):
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+    except commhooks.CollectiveError as exc:
+        return str(exc)
+    return "finished"
+
+
+def test_uneven_inputs_without_join_name_the_cause():
+    done, error = run_ranks(_uneven_without_join, 2, timeout=120, batches=(37, 40))
+    assert done == "finished"
+    assert "Join" in error and "step" in error, error
+
+
+# --------------------------------------------------------------------------
+# every trainable parameter is in the sync
+# --------------------------------------------------------------------------
+
+
+def _two_optimizers(rank, world):
+    net = DDP(mlp(), forward_sync_buffers=False)
+    head = list(net.module[4].parameters())
+    body = [p for p in net.parameters() if all(p is not h for h in head)]
+    opt_body = torch.optim.SGD(body, lr=0.05, momentum=0.9)
+    opt_head = torch.optim.Adam(head, lr=0.01)
+    state = commhooks.QSRState([opt_body, opt_head], model=net, **{k: v for k, v in QSR.items() if k != "type"})
+    net.register_comm_hook(state, commhooks.comm_hook)
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        opt_body.zero_grad()
+        opt_head.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt_body.step()
+        opt_head.step()
+    return state.step, state.syncs, flat(net)
+
+
+def test_two_optimizers_count_one_step_and_sync_everything():
+    (s0, n0, w0), (s1, n1, w1) = run_ranks(_two_optimizers, 2, timeout=120)
+    assert s0 == s1 == STEPS and n0 == n1 == STEPS // 3
+    assert torch.equal(w0, w1)
+
+
+def _late_parameters(rank, world, kind):
+    model = mlp()
+    for p in model[0].parameters():
+        p.requires_grad_(False)  # frozen when the state is built
+    net = DDP(model, forward_sync_buffers=False)
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.05)
+    hook = {**QSR, "h_base": 2} if kind == "qsr" else {**AB, "warmup_steps": 2, "sync_period": 4}
+    state = commhooks.ddp.register(net, opt, hook)
+    extra = nn.Parameter(torch.ones(5))
+    for step in range(STEPS):
+        if step == 3:  # unfreeze the first layer, and add a parameter that lives outside the model
+            for p in model[0].parameters():
+                p.requires_grad_(True)
+            opt.add_param_group({"params": list(model[0].parameters()) + [extra]})
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y) + (extra * (rank + 1)).sum() * (step >= 3)
+        loss.backward()
+        opt.step()
+    names = [n for n, _ in state.named_params]
+    return state.syncs, flat(net), extra.detach().clone(), names
+
+
+@pytest.mark.parametrize("kind", ["qsr", "ab"])
+def test_parameters_that_appear_later_join_the_sync(kind):
+    (n0, w0, e0, names0), (n1, w1, e1, names1) = run_ranks(_late_parameters, 2, timeout=150, kind=kind)
+    assert n0 == n1 > 0
+    assert torch.equal(w0, w1) and torch.equal(e0, e1), "unfrozen and added parameters are averaged too"
+    assert "module.0.weight" in names0 or "0.weight" in names0, names0
+    assert names0 == names1 and any(n.startswith("optimizer.") for n in names0), names0
+
+
+def _unknown_parameter_without_model(rank, world):
+    p = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    try:
+        commhooks.QSRState([opt, "not an optimizer"], h_base=2)
+    except ConfigError as exc:
+        return str(exc)
+
+
+def test_bad_optimizer_list_is_a_config_error():
+    for m in run_ranks(_unknown_parameter_without_model, 1, timeout=60):
+        assert "optimizer" in m and "str" in m, m
+
+
+# --------------------------------------------------------------------------
+# checkpoints that never lie
+# --------------------------------------------------------------------------
+
+
+def _train(net, opt, rank, steps, start=0):
+    for step in range(start, start + steps):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+
+
+def _build(hook=QSR):
+    net = DDP(mlp(), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    return net, opt, commhooks.ddp.register(net, opt, {**hook, "total_steps": None})
+
+
+def _save_at_different_steps(rank, world, ckdir):
+    net, opt, state = _build()
+    _train(net, opt, rank, 4 + rank)  # rank 1 one step further (and past a sync) than rank 0
+    try:
+        commhooks.save_checkpoint(ckdir, net, opt, state)
+    except commhooks.DivergenceError as exc:
+        return str(exc)
+
+
+def test_save_at_different_steps_is_refused_on_every_rank(tmp_path):
+    for m in run_ranks(_save_at_different_steps, 2, timeout=60, ckdir=str(tmp_path)):
+        assert m is not None and "from 4 to 5" in m and "nothing was written" in m, m
+    assert not any(tmp_path.iterdir())
+
+
+def _broken_checkpoints(rank, world, ckdir, damage):
+    from pathlib import Path
+    import warnings
+
+    net, opt, state = _build()
+    _train(net, opt, rank, 3)
+    commhooks.save_checkpoint(ckdir, net, opt, state, keep=5)
+    _train(net, opt, rank, 3, start=3)
+    commhooks.save_checkpoint(ckdir, net, opt, state, keep=5)
+    root = Path(ckdir)
+    state.comm.barrier()
+    if rank == 0:
+        if damage == "latest-names-missing-folder":
+            (root / "latest").write_text("step-00000099")
+        elif damage == "missing-rank-file":
+            (root / "step-00000006" / "rank1.pt").unlink()
+        elif damage == "truncated-rank-file":
+            f = root / "step-00000006" / "rank1.pt"
+            f.write_bytes(f.read_bytes()[:500])
+    state.comm.barrier()
+    fresh, fresh_opt, fresh_state = _build()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            ck = commhooks.load_checkpoint(ckdir, fresh, fresh_opt, fresh_state)
+        except commhooks.CheckpointError as exc:
+            return "error", str(exc), []
+    return ck["step"], fresh_state.step, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("damage, resumed", [("latest-names-missing-folder", 6), ("missing-rank-file", 3),
+                                             ("truncated-rank-file", 3)])
+def test_load_falls_back_to_the_newest_complete_checkpoint(damage, resumed, tmp_path):
+    for step, state_step, warned in run_ranks(_broken_checkpoints, 2, timeout=90, ckdir=str(tmp_path), damage=damage):
+        assert step == state_step == resumed, (damage, step, state_step)
+        text = " ".join(warned)
+        if damage == "latest-names-missing-folder":
+            assert "step-00000099" in text, warned
+        else:
+            assert "skipped newer checkpoints: step-00000006" in text and "rank1.pt" in text, warned
+
+
+def _explicit_broken_step(rank, world, ckdir):
+    from pathlib import Path
+
+    net, opt, state = _build()
+    _train(net, opt, rank, 3)
+    commhooks.save_checkpoint(ckdir, net, opt, state)
+    state.comm.barrier()
+    if rank == 0:
+        f = Path(ckdir) / "step-00000003" / "rank1.pt"
+        f.write_bytes(f.read_bytes()[:300])
+    state.comm.barrier()
+    try:
+        commhooks.load_checkpoint(ckdir, *_build()[:2], step=3)
+    except commhooks.CheckpointError as exc:
+        return str(exc)
+
+
+def test_a_broken_requested_checkpoint_is_an_error_on_every_rank_naming_the_file(tmp_path):
+    for m in run_ranks(_explicit_broken_step, 2, timeout=60, ckdir=str(tmp_path)):
+        assert m is not None and "step-00000003/rank1.pt" in m, m
+
+
+def _save_for_resize(rank, world, ckdir, synced_only):
+    net, opt, state = _build()
+    _train(net, opt, rank, 6 if synced_only else 5)  # h_base 3: step 6 is a sync step, 5 is not
+    return str(commhooks.save_checkpoint(ckdir, net, opt, state, synced_only=synced_only))
+
+
+def _resume_on_one_rank(rank, world, ckdir):
+    net, opt, state = _build({**QSR, "h_base": 3})
+    try:
+        ck = commhooks.load_checkpoint(ckdir, net, opt, state)
+    except commhooks.CheckpointError as exc:
+        return str(exc)
+    return ck["step"], state.step, flat(net)
+
+
+def test_another_world_size_needs_a_synced_checkpoint(tmp_path):
+    run_ranks(_save_for_resize, 2, timeout=60, ckdir=str(tmp_path / "mid"), synced_only=False)
+    message = run_ranks(_resume_on_one_rank, 1, timeout=60, ckdir=str(tmp_path / "mid"))[0]
+    assert "written by 2 ranks and this run has 1" in message and "synced_only=True" in message, message
+    saved = run_ranks(_save_for_resize, 2, timeout=60, ckdir=str(tmp_path / "synced"), synced_only=True)
+    assert saved[0].endswith("step-00000006")
+    step, state_step, _ = run_ranks(_resume_on_one_rank, 1, timeout=60, ckdir=str(tmp_path / "synced"))[0]
+    assert step == state_step == 6
+
+
+class Evil:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch /tmp/commhooks-evil-ran",))
+
+
+def _evil_checkpoint(rank, world, ckdir):
+    import os
+
+    net, opt, state = _build()
+    _train(net, opt, rank, 3)
+    commhooks.save_checkpoint(ckdir, net, opt, state, extra={"payload": Evil()})
+    if os.path.exists("/tmp/commhooks-evil-ran"):
+        os.remove("/tmp/commhooks-evil-ran")
+    try:
+        commhooks.load_checkpoint(ckdir, *_build()[:2], step=3)
+    except commhooks.CheckpointError as exc:
+        return str(exc), os.path.exists("/tmp/commhooks-evil-ran")
+    return None, os.path.exists("/tmp/commhooks-evil-ran")
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
+    for message, ran in run_ranks(_evil_checkpoint, 2, timeout=60, ckdir=str(tmp_path)):
+        assert not ran, "unpickling ran foreign code"
+        assert message is not None and "rank0.pt" in message and "refused" in message, message
+        assert "GLOBAL posix.system" in message and "weights_only=False" not in message, message
