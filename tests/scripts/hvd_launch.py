@@ -1,0 +1,50 @@
+"""Horovod under any launcher: QSR and AB through commhooks.horovod, one JSON line per rank.
+
+    mpirun -np 2 python tests/scripts/hvd_launch.py --out DIR        (Open MPI; MPICH: mpiexec -n 2)
+    horovodrun -np 2 -H localhost:2 --gloo python tests/scripts/hvd_launch.py --out DIR
+    srun -n 2 python tests/scripts/hvd_launch.py --out DIR
+
+Each rank prints {"rank", "size", "runs": {name: {"bytes", "syncs", "checksum"}}} and saves its final
+parameters to DIR/rank<r>.pt, so a test can compare launchers.
+"""
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from common import SGD, mlp
+
+import commhooks.horovod
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--steps", type=int, default=12)
+args = p.parse_args()
+
+RUNS = {
+    "qsr": {"type": "qsr", "h_base": 3, "check_every": 1},
+    "ab": {"type": "ab", "warmup_steps": 3, "sync_period": 6, "full_rank_steps": 1, "rank_cutoff": 0.4,
+           "min_compression_rate": 0.0, "group_size": 1, "check_every": 1},
+}
+hvd = commhooks.horovod.init(RUNS["ab"])
+rank = hvd.rank()
+result, params = {"rank": rank, "size": hvd.size(), "runs": {}}, {}
+for name, hook in RUNS.items():
+    model = mlp()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = commhooks.horovod.DistributedOptimizer(torch.optim.SGD(model.parameters(), **SGD),
+                                                 named_parameters=model.named_parameters(), hook=hook)
+    for step in range(args.steps):
+        g = torch.Generator().manual_seed(7919 * step + rank)
+        opt.zero_grad()
+        F.cross_entropy(model(torch.randn(8, 12, generator=g)), torch.randint(0, 3, (8,), generator=g)).backward()
+        opt.step()
+    state = opt.comm_hook_state
+    params[name] = {n: t.detach().clone() for n, t in model.named_parameters()}
+    result["runs"][name] = {"bytes": state.meter.bytes(), "syncs": state.syncs,
+                            "checksum": float(sum(t.double().sum() for t in params[name].values()))}
+torch.save(params, f"{args.out}/rank{rank}.pt")
+print(json.dumps(result), flush=True)
+hvd.barrier()
+hvd.shutdown()
