@@ -266,3 +266,63 @@ def test_checkpoint_resume_is_exact(tmp_path):
         assert torch.equal(full[rank][0], resumed[rank][0]), f"rank {rank} diverged after resume"
         assert full[rank][1] == resumed[rank][1]
         assert full[rank][2] == first[rank][2] + resumed[rank][2]
+
+
+# --------------------------------------------------------------------------
+# replica groups: every step inside a group, by the rule across groups
+# --------------------------------------------------------------------------
+
+
+def _replica_groups(rank, world, steps, h_base):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    base = small_model(False)
+    # commhooks: QSR with replica groups of 2
+    net = local_ddp(copy_model(base))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    state = commhooks.ddp.register(net, opt, {"type": "qsr", "h_base": h_base, "group_size": 2, "check_every": 1})
+    # the reference, written here: allreduce inside the pair every step, world average every h_base steps
+    ref = copy_model(base)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    per_step, synced, inside, across = [], [], [], []
+    for step in range(steps):
+        b0 = state.meter.bytes()
+        sgd_step(net, opt, step, rank)
+        x, y = batch(step, rank)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad, group=pair)
+            p.grad /= 2
+        ref_opt.step()
+        if (step + 1) % h_base == 0:
+            for p in ref.parameters():
+                dist.all_reduce(p.data)
+                p.data /= world
+        per_step.append(state.meter.bytes() - b0)
+        synced.append(state.syncs)
+        mine = flat_state(net.module)
+        gathered = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine)
+        inside.append(torch.equal(gathered[0], gathered[1]) and torch.equal(gathered[2], gathered[3]))
+        across.append(torch.equal(gathered[0], gathered[2]))
+    return flat_state(net.module), flat_state(ref), per_step, synced, inside, across, sum(p.numel() for p in ref.parameters())
+
+
+def copy_model(model):
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def test_replica_groups_equal_a_reference_and_meter_their_traffic():
+    results = run_ranks(_replica_groups, 4, timeout=180, steps=9, h_base=3)
+    for mine, ref, per_step, synced, inside, across, numel in results:
+        assert torch.allclose(mine, ref, atol=1e-6), (mine - ref).abs().max()
+        assert all(inside), "the ranks of a replica group hold the same parameters at every step"
+        assert across == [(s + 1) % 3 == 0 for s in range(9)], "groups differ between syncs, agree after"
+        for step, b in enumerate(per_step):
+            sync = (step + 1) % 3 == 0
+            assert b == 4 * numel + (4 * numel + STEP_PROOF_BYTES if sync else 0), (step, b)  # one group-grad payload

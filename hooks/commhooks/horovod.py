@@ -184,7 +184,7 @@ class _HookedOptimizer:
         state_class = registry.for_config(conf).state_class
         self.comm_hook_state = state_class(optimizer=self, model=model, named_parameters=named, engine=engine,
                                            comm=comm, config=conf)
-        self._reduces = state_class.reduces_gradients
+        self._reduces = self.comm_hook_state.reduces_gradients
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._params] if self._reduces else []
 
     def _start(self, p):

@@ -127,7 +127,8 @@ class AlgorithmState:
 
     name: ClassVar[str] = ""  # set by register_algorithm
     config_class: ClassVar[type] = HookConfig  # set by register_algorithm
-    reduces_gradients: ClassVar[bool] = False  # declared: engines hand gradients over only if True
+    reduces_gradients: bool = False  # declared (a class attribute, or a property of the settings): engines
+    # hand gradients over only if True
 
     def __init__(
         self,

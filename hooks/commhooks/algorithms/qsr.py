@@ -52,6 +52,8 @@ from typing_extensions import Annotated
 
 from ..registry import register_algorithm
 from .averaging import float_buffers, optimizer_moments
+from ..comm import Group
+from . import replicas
 from .base import AlgorithmState
 from .rule import QuadraticRuleFields, rule_period
 
@@ -83,6 +85,9 @@ class QSRConfig(QuadraticRuleFields):
     average_optimizer_state: bool = Field(False, description=(
         "also average exp_avg, exp_avg_sq, momentum_buffer at each sync (off in the paper's code)"))
     average_buffers: bool = Field(True, description="average floating buffers (BatchNorm statistics) at each sync")
+    group_size: Annotated[Optional[int], Field(ge=1, description=(
+        "ranks per replica group: gradients are averaged inside a group every step (fast links), parameters "
+        "across groups by the rule; 1 = every rank its own replica (plain local SGD); null = ranks per node"))] = 1
 
     @property
     def warmup_h(self) -> int:
@@ -120,9 +125,20 @@ class QSRState(AlgorithmState):
     ``scheduler.step()`` has set the lr that step really uses.
     """
 
-    reduces_gradients = False  # local steps: the engine sends no gradient
+    @classmethod
+    def groups_needed(cls, config, world_size, local_world_size):
+        size = replicas.resolve_size(config.group_size, world_size, local_world_size)
+        return replicas.contiguous_groups(size, world_size, "qsr.group_size")
+
+    @property
+    def reduces_gradients(self) -> bool:
+        """Only with replica groups of 2 or more: their gradients are averaged every step."""
+        return self.replica.size > 1
 
     def setup(self) -> None:
+        origin = " (ranks per node, LOCAL_WORLD_SIZE)" if self.config.group_size is None else ""
+        size = replicas.resolve_size(self.config.group_size, self.comm.size, self.engine.local_world_size)
+        self.replica_ranks = replicas.contiguous_groups(size, self.comm.size, "qsr.group_size", origin)
         self.since_sync = 0
         self.H: Optional[int] = None  # chosen at the first step of each round
         if self.engine.buffers_synced_each_forward and float_buffers(self.module):
@@ -133,6 +149,22 @@ class QSRState(AlgorithmState):
                 "(torch>=2.13) or broadcast_buffers=False, QSR averages buffers at each sync",
                 stacklevel=3,
             )
+
+    def describe(self) -> dict:
+        return {"replica_groups": self.replica_ranks}
+
+    def start(self) -> None:
+        mine = replicas.group_of(self.replica_ranks, self.comm.rank)
+        if len(self.replica_ranks[mine]) == 1:  # every rank its own replica: no group to create
+            self.replica = Group(f"replica{mine}", self.replica_ranks[mine])
+            return
+        groups = [self.comm.new_group(g, name=f"replica{i}") for i, g in enumerate(self.replica_ranks)]
+        self.replica = groups[mine]
+
+    def reduce_gradients(self, grads, params, flat=None):
+        """Replica groups: the mean gradient of the group, every step (the engine's own data parallelism)."""
+        return self.comm.allreduce([flat] if flat is not None else grads, op="mean", group=self.replica,
+                                   async_op=True, tag="group-grad")
 
     def before_step(self) -> None:
         if self.H is None:  # a round starts: its period from the lr of its first step (agreed inside Join)
@@ -157,7 +189,12 @@ class QSRState(AlgorithmState):
         return named
 
     def sync(self) -> None:
-        """Average the model over the group now and start a new round."""
+        """Average the model over the world now and start a new round.
+
+        With replica groups the ranks of a group already hold the same parameters, so the world mean is
+        the mean over groups; buffers (BatchNorm statistics) still differ inside a group and need the
+        world mean anyway.
+        """
         self.refresh_parameters()
         self.average([t for _, t in self.sync_named()], tag="sync")
         self.since_sync = 0

@@ -5,18 +5,20 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from ...config import ConfigError
+from ..replicas import contiguous_groups, resolve_size
 from .config import ABConfig
 
 
 def resolve_group_size(config: ABConfig, world: int, local_world: Optional[int]) -> int:
-    """``None`` -> ranks per node (the whole world when unknown), ``-1`` -> half of the world."""
+    """``None`` -> ranks per node (the whole world when unknown), ``-1`` -> half of the world.
+
+    AB's groups are replica groups (:mod:`commhooks.algorithms.replicas`) with one more rule: A or B per group.
+    """
     if config.mode == "only-b":
         return world
-    if config.group_size is None:
-        return local_world or world
     if config.group_size == -1:
         return max(1, world // 2)
-    return config.group_size
+    return resolve_size(config.group_size, world, local_world)
 
 
 def make_groups(config: ABConfig, world: int, local_world: Optional[int]) -> Tuple[List[Tuple[int, ...]], List[str]]:
@@ -40,7 +42,7 @@ def make_groups(config: ABConfig, world: int, local_world: Optional[int]) -> Tup
             f"ab.group_size {size}{origin} must divide the {world} ranks into at least two groups in 'groups' mode; "
             f"use a group_size that divides {world} into >= 2 parts (1 or -1 always do), or mode 'only-b'"
         )
-    n = world // size
-    groups = [tuple(range(i * size, (i + 1) * size)) for i in range(n)]
+    groups = contiguous_groups(size, world, "ab.group_size")
+    n = len(groups)
     roles = ["A" if i < n // 2 else "B" for i in range(n)]
     return groups, roles
