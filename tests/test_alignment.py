@@ -37,13 +37,18 @@ def flat(net):
 # --------------------------------------------------------------------------
 
 
-def _scaler(rank, world, hook, overflow_at):
+def _scaler(rank, world, hook, overflow_at, give_scaler=True):
+    import warnings
+
     net = DDP(mlp(), forward_sync_buffers=False)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # a decaying lr: QSR alpha > 0 matters
-    state = commhooks.ddp.register(net, opt, hook)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    state = commhooks.ddp.register(net, opt, hook, scaler=scaler if give_scaler else None)
     scales = []
+    warnings.simplefilter("always")
+    caught = warnings.catch_warnings(record=True)
+    log = caught.__enter__()
     for step in range(STEPS):
         x, y = batch(step, rank)
         opt.zero_grad()
@@ -55,6 +60,9 @@ def _scaler(rank, world, hook, overflow_at):
         scaler.update()
         sched.step()
         scales.append(scaler.get_scale())
+    caught.__exit__(None, None, None)
+    if not give_scaler:
+        return [str(w.message) for w in log]
     return state.step, state.sync_steps, state.skipped_steps, flat(net), scales
 
 
@@ -66,8 +74,14 @@ def test_grad_scaler_overflow_on_one_rank_keeps_the_schedule(hook):
     assert s0 == s1 == STEPS, (s0, s1)
     assert sync0 == sync1 and sync0[-1] == STEPS, (sync0, sync1)
     assert sc0 != sc1, "the overflow really happened on rank 1 only"
+    assert sc0[-1] == sc1[-1], "the syncs gave the scalers one scale again"
     assert skip1 - skip0 == 2 if hook["type"] == "qsr" else skip1 >= skip0
     assert torch.equal(w0, w1), "parameters must be bit-identical after the final sync"
+
+
+def test_scales_that_part_without_the_scaler_are_a_warning_for_ab():
+    for caught in run_ranks(_scaler, 2, timeout=120, hook=AB, overflow_at=(4,), give_scaler=False):
+        assert any("GradScaler scales differ" in m and "use_scaler" in m for m in caught), caught
 
 
 def _scaler_matches_manual_skip(rank, world):

@@ -127,12 +127,15 @@ def test_horovod_under_mpirun_mpiexec_srun_and_torchrun_matches_horovodrun(tmp_p
     (ref_rows, ref_params) = runs["horovodrun"]
     for name, (rows, params) in runs.items():
         assert [r["rank"] for r in rows] == [0, 1] and all(r["size"] == 2 for r in rows), (name, rows)
-        for algo in ("qsr", "ab"):
+        for algo in ("qsr", "ab", "qsr-amp", "ab-amp"):
             a, b = rows[0]["runs"][algo], rows[1]["runs"][algo]
+            assert a["step"] == b["step"] == 12, (name, algo, a, b)  # GradScaler skips count as steps
+            assert a["bytes"] == b["bytes"], (name, algo, a, b)  # equal scales: the same bases, no repair broadcast
             assert a["bytes"] > 0 and a["bytes"] == ref_rows[0]["runs"][algo]["bytes"], (name, algo, a)
             assert a["syncs"] == b["syncs"] > 0 and a["checksum"] == b["checksum"], (name, algo, a, b)  # synced
             for n, t in ref_params[0][algo].items():
                 assert torch.allclose(params[0][algo][n], t, atol=1e-6), (name, algo, n)
+        assert rows[1]["runs"]["qsr-amp"]["skipped"] == rows[0]["runs"]["qsr-amp"]["skipped"] + 2, rows
 
 
 def test_horovod_world_that_differs_from_the_launchers_is_a_launch_error(tmp_path):

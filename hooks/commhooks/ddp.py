@@ -97,12 +97,13 @@ def allreduce_hook(state: AllreduceState, bucket: dist.GradBucket) -> torch.futu
     return work.future().then(lambda fut: buffer)
 
 
-def register(ddp_model, optimizer, config, process_group=None):
+def register(ddp_model, optimizer, config, process_group=None, scaler=None):
     """Build the state for ``config`` and register its hook on ``ddp_model``; return the state.
 
     ``config`` is a config object, a dict or a JSON path naming any
     registered algorithm; ``{"type": "none"}`` registers the metered plain
-    allreduce.
+    allreduce.  ``scaler``: your ``torch.amp.GradScaler``, if any, so the
+    syncs keep its scale equal on every rank (see ``state.use_scaler``).
     """
     config = load_config(config)
     if config is None:
@@ -111,5 +112,7 @@ def register(ddp_model, optimizer, config, process_group=None):
         return state
     state_class = registry.for_config(config).state_class
     state = state_class(optimizer=optimizer, model=ddp_model, process_group=process_group, config=config)
+    if scaler is not None:
+        state.use_scaler(scaler)
     ddp_model.register_comm_hook(state, comm_hook)
     return state

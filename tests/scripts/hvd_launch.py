@@ -30,19 +30,37 @@ RUNS = {
 hvd = commhooks.horovod.init(RUNS["ab"])
 rank = hvd.rank()
 result, params = {"rank": rank, "size": hvd.size(), "runs": {}}, {}
+# AMP as Horovod documents it (synchronize, then scaler.step under skip_synchronize), one rank overflowing
+RUNS["qsr-amp"] = {**RUNS["qsr"], "total_steps": args.steps}
+RUNS["ab-amp"] = {**RUNS["ab"]}
 for name, hook in RUNS.items():
+    amp = name.endswith("-amp")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if amp else None
     model = mlp()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = commhooks.horovod.DistributedOptimizer(torch.optim.SGD(model.parameters(), **SGD),
                                                  named_parameters=model.named_parameters(), hook=hook)
+    if amp:
+        opt.comm_hook_state.use_scaler(scaler)  # the syncs keep the ranks' scales equal
     for step in range(args.steps):
         g = torch.Generator().manual_seed(7919 * step + rank)
         opt.zero_grad()
-        F.cross_entropy(model(torch.randn(8, 12, generator=g)), torch.randint(0, 3, (8,), generator=g)).backward()
-        opt.step()
+        loss = F.cross_entropy(model(torch.randn(8, 12, generator=g)), torch.randint(0, 3, (8,), generator=g))
+        if not amp:
+            loss.backward()
+            opt.step()
+            continue
+        if rank == 1 and step in (4, 7):
+            loss = loss * float("inf")  # rank 1 overflows twice
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
     state = opt.comm_hook_state
     params[name] = {n: t.detach().clone() for n, t in model.named_parameters()}
-    result["runs"][name] = {"bytes": state.meter.bytes(), "syncs": state.syncs,
+    result["runs"][name] = {"bytes": state.meter.bytes(), "syncs": state.syncs, "step": state.step,
+                            "skipped": state.skipped_steps,
                             "checksum": float(sum(t.double().sum() for t in params[name].values()))}
 torch.save(params, f"{args.out}/rank{rank}.pt")
 print(json.dumps(result), flush=True)

@@ -17,6 +17,13 @@ mechanisms keep the schedule a function of the iteration on every rank:
 * **Step proof**: every sync carries the step counter in its payload (a few
   more elements of the same flat allreduce, no extra collective); a mismatch
   raises :class:`DivergenceError` on every rank, naming the steps.
+* **Scales that part**: a rank that overflows in a local step halves its
+  GradScaler scale alone; the next gradient-averaging step (AB's full-rank
+  steps, QSR's replica groups) would then average gradients scaled by
+  different factors.  Each sync carries log2 of the rank's scale; when they
+  differ, a state given the scaler (``state.use_scaler(scaler)``, or
+  ``commhooks.ddp.register(..., scaler=scaler)``) sets every rank's scale to
+  the smallest one, otherwise it warns once.
 * **Join**: the state is a ``torch.distributed.algorithms.join`` joinable
   (duck-typed: ``join_hook``, ``join_device``, ``join_process_group``).  In
   ``with Join([ddp_model, state]):`` a rank that ran out of data shadows each
@@ -29,14 +36,17 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
+import math
+
 import torch
 
 from .consistency import DivergenceError
 
 # the step is proved in base 64: three limbs (steps below 262,144 compared exactly, beyond that modulo it)
-# and their squares, plus the step itself (only for the message); all exact in float32 sums
+# and their squares, plus the step itself (only for the message); then log2 of the GradScaler scale the rank
+# last used (0 without one) and its square; all exact in float32 sums
 _LIMBS = 3
-PROOF_ELEMENTS = 2 * _LIMBS + 1
+PROOF_ELEMENTS = 2 * _LIMBS + 1 + 2
 STEP_PROOF_BYTES = 4 * PROOF_ELEMENTS  # added to the payload of every sync
 
 LIKELY_CAUSES = (
@@ -47,10 +57,20 @@ LIKELY_CAUSES = (
 )
 
 
-def step_proof(step: int) -> torch.Tensor:
-    """The elements a rank adds to its sync payload to prove it is at ``step``."""
+def step_proof(step: int, scale: Optional[float] = None) -> torch.Tensor:
+    """The elements a rank adds to its sync payload to prove it is at ``step`` (and to show its AMP scale)."""
     limbs = [(step >> (6 * i)) & 63 for i in range(_LIMBS)]
-    return torch.tensor(limbs + [x * x for x in limbs] + [float(step)], dtype=torch.float32)
+    log_scale = float(round(math.log2(scale))) if scale else 0.0
+    return torch.tensor(limbs + [x * x for x in limbs] + [float(step), log_scale, log_scale * log_scale],
+                        dtype=torch.float32)
+
+
+def scales_differ(mean: torch.Tensor, size: int) -> bool:
+    """After the sync: did the ranks' GradScaler scales (log2, in the proof) differ?"""
+    if size == 1:
+        return False
+    s1, s2 = torch.round(mean[-2:].double() * size)
+    return bool(size * s2 != s1 * s1)
 
 
 def check_step_proof(mean: torch.Tensor, step: int, size: int, rank: int, what: str) -> None:
@@ -65,7 +85,7 @@ def check_step_proof(mean: torch.Tensor, step: int, size: int, rank: int, what: 
     first, squares = sums[:_LIMBS], sums[_LIMBS:2 * _LIMBS]
     if bool((size * squares == first * first).all()):
         return
-    total = float(sums[-1])
+    total = float(sums[2 * _LIMBS])
     others = f"the other rank is at step {int(round(total - step))}" if size == 2 else (
         f"the {size} ranks' steps add up to {int(round(total))} (mean {total / size:.2f})")
     raise DivergenceError(

@@ -62,6 +62,7 @@ README's "Adding an algorithm".
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -160,6 +161,9 @@ class AlgorithmState:
         self.skipped_steps = 0
         self.sync_steps: List[int] = []  # optimizer steps after which a sync happened (this process)
         self.joined = False  # True while this rank shadows the others inside a Join context
+        self.scaler = None  # a torch.amp.GradScaler whose scale the syncs keep equal (use_scaler)
+        self._last_scale: Optional[float] = None  # the scale a GradScaler handed to the last step
+        self._warned_scales = False
         self._join_config = None  # set by torch's Join context manager
         self.setup()
         verify_same_everywhere(comm, f"the {self.display_name} hook", {
@@ -257,6 +261,8 @@ class AlgorithmState:
         """Pre-hook of every optimizer: a GradScaler's unscale/skip, the NaN guard; the first one also
         starts the iteration (:meth:`begin_step`)."""
         grad_scale, found_inf = alignment.scaler_inputs(optimizer)
+        if grad_scale is not None:
+            self._last_scale = float(grad_scale)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if found_inf is not None:  # a GradScaler checked these gradients: it, not the guard, decides
             if any(optimizer is o for o in self._amp_owned) and alignment.apply_scaler(optimizer, params, grad_scale, found_inf):
@@ -309,7 +315,8 @@ class AlgorithmState:
         collective says which step it was and what usually causes it.
         """
         device = next((t.device for t in tensors), torch.device("cpu"))
-        proof = alignment.step_proof(self.step).to(device)
+        scale = self.scaler.get_scale() if self.scaler is not None else self._last_scale
+        proof = alignment.step_proof(self.step, scale).to(device)
         try:
             average_(self.comm, tensors, group=group, tag=tag, rider=proof)
         except CollectiveError as exc:
@@ -319,6 +326,29 @@ class AlgorithmState:
                 "is stuck, its own log says why]") from None  # the message already holds the backend's
         size = self.comm.size if group is None else group.size
         alignment.check_step_proof(proof, self.step, size, self.comm.rank, f"{self.display_name} {tag} at step {self.step}")
+        if alignment.scales_differ(proof, size):
+            self._equalize_scales(group)
+
+    def use_scaler(self, scaler) -> None:
+        """Keep ``scaler``'s scale (a ``torch.amp.GradScaler``) equal on every rank: at a sync where the
+        ranks' scales differ, all take the smallest (one 8-byte allreduce, only then)."""
+        self.scaler = scaler
+
+    def _equalize_scales(self, group) -> None:
+        if self.scaler is None:
+            if self.reduces_gradients and not self._warned_scales:
+                self._warned_scales = True
+                warnings.warn(
+                    f"{self.display_name}: the ranks' GradScaler scales differ (a rank overflowed during local steps); "
+                    "the next gradient-averaging steps would average gradients scaled by different factors. Pass "
+                    "the scaler: state.use_scaler(scaler) or commhooks.ddp.register(..., scaler=scaler)",
+                    stacklevel=3)
+            return
+        scale = self.scaler._scale  # GradScaler keeps it as a one-element tensor
+        lowest = -scale.detach().double().reshape(1).cpu()
+        self.comm.allreduce([lowest], op="max", group=group, tag="amp-scale", metered=False)
+        scale.fill_(-float(lowest.item()))
+        self.scaler._growth_tracker.zero_()  # restart growth from the common scale, as after a backoff
 
     def agree_on_period(self, local: Optional[int]) -> Optional[int]:
         """Inside a Join context, the period every rank uses: the max over ranks (a joined rank, whose lr no
