@@ -164,9 +164,9 @@ def _manifest(folder: Path) -> Optional[dict]:
 
 
 def _complete_folders(root: Path) -> List[Path]:
-    """Folders with a manifest, newest step first."""
-    found = [p for p in root.glob("step-*") if p.is_dir() and _manifest(p) is not None]
-    return sorted(found, key=lambda p: _manifest(p)["step"], reverse=True)
+    """Folders with a manifest, newest step first (each manifest read once)."""
+    steps = {p: m["step"] for p in root.glob("step-*") if p.is_dir() and (m := _manifest(p)) is not None}
+    return sorted(steps, key=steps.get, reverse=True)
 
 
 def latest_checkpoint(directory) -> Optional[Path]:
