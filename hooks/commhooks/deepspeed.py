@@ -1,13 +1,5 @@
 """DeepSpeed adapter: any commhooks algorithm inside a DeepSpeed engine, configured from its JSON.
 
-DeepSpeed has no comm-hook API.  This adapter takes over gradient
-communication at the gradient-accumulation boundary: it turns off
-``engine.enable_backward_allreduce`` (the engine then only accumulates
-gradients locally, as its own compressed optimizers do), and just before the
-boundary ``engine.step()`` it reduces the gradients through the algorithm.
-So ``gradient_accumulation_steps > 1`` works and counts optimizer steps, and
-``gradient_clipping`` sees the communicated gradients.
-
 Usage, the same call as ``deepspeed.initialize``::
 
     engine, optimizer, loader, scheduler = commhooks.deepspeed.initialize(
@@ -16,27 +8,59 @@ Usage, the same call as ``deepspeed.initialize``::
 with a top-level ``"comm_hook"`` section in the DeepSpeed config (DeepSpeed
 keeps unknown top-level keys and exposes them as ``engine.config``)::
 
-    "comm_hook": {"type": "qsr", "h_base": 4, "alpha": 0.01, "warmup_steps": 50}
+    "comm_hook": {"type": "qsr", "h_base": 4, "alpha": 0.01, "warmup_steps": 50, "group_size": 2}
 
 or, for an engine you already built, ``commhooks.deepspeed.attach(engine, config)``.
 
-Supported: ZeRO stage 0, fp32 or torch autocast.  ZeRO >= 1 shards the
-optimizer state and reduce-scatters gradients inside its own optimizer, so a
-hook would average the wrong thing (and DeepSpeed's ``step()`` fails with the
-backward allreduce off): it raises :class:`~commhooks.config.ConfigError`
-before the engine is built.  DeepSpeed's fp16 / bf16 optimizers wrap the
-optimizer the hooks attach to; they are refused the same way for now.
+DeepSpeed has no comm-hook API.  The adapter works in one of two ways,
+chosen from what the algorithm declares (never from its name):
+
+**Replica groups** (algorithms that declare ``data_parallel_groups``, e.g.
+QSR): the engine's data-parallel group *is* the algorithm's replica group.
+``initialize`` hands DeepSpeed an ``mpu`` (:class:`ReplicaGroups`) whose
+``get_data_parallel_group()`` is this rank's replica group, so everything
+DeepSpeed does every step (gradient allreduce or reduce-scatter, ZeRO
+sharding of the optimizer state, the fp16 loss scaler's overflow check)
+stays inside the group, on the fast links.  The algorithm syncs across
+groups: it averages the tensors the inner optimizer steps (the fp32
+*master* weights: with ZeRO 1/2 this rank's flat partition, averaged with
+the same partition of the other groups), then the adapter refreshes the
+low-precision weights from them (DeepSpeed's own ``update_lp_params``).
+Works with fp32, ``bf16`` and ``fp16`` (DeepSpeed's loss scaler) at ZeRO
+stage 0, 1 and 2.  ``group_size`` 1 (the default) makes every rank its own
+replica (ZeRO then has nothing to shard).
+
+**Hook reduces** (algorithms that reduce gradients themselves, e.g. AB):
+``engine.enable_backward_allreduce`` is turned off (the engine then only
+accumulates gradients locally, as its own compressed optimizers do), and
+just before the boundary ``engine.step()`` the gradients are reduced
+through the algorithm (in fp32 when the model is bf16).  ZeRO stage 0 only,
+fp32 or ``bf16``: ZeRO >= 1 reduce-scatters flat gradient partitions that
+cut through the weight matrices such an algorithm works on, and the fp16
+loss scaler scales each rank's gradients by its own factor.
+
+In both, optimizer steps are counted by the adapter at the accumulation
+boundary (``gradient_accumulation_steps`` counts optimizer steps), skipped
+fp16 steps included, so every rank keeps the same schedule; periods that
+depend on the lr are agreed across ranks once per round, because
+DeepSpeed does not step the lr scheduler of a rank whose step overflowed.
+
+ZeRO stage 3 is refused: it partitions the parameters themselves and
+gathers them layer by layer inside forward and backward, so there is no
+per-rank tensor to average between syncs without a full gather.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 import torch
 
 from . import registry
 from .algorithms.base import engine_facts
+from .algorithms import replicas
 from .config import ConfigError, load_config, read_json
 
 
@@ -50,41 +74,183 @@ def read_ds_config(config) -> dict:
     raise ConfigError(f"DeepSpeed config must be a dict or a JSON path, got {type(config).__name__}")
 
 
-def check_supported(ds_config: Mapping[str, Any]) -> None:
-    """Refuse engine settings a hook cannot work with, before any collective (same error on every rank)."""
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+def _precision(ds_config: Mapping[str, Any]) -> str:
+    for key in ("fp16", "bf16", "bfloat16"):
+        if (ds_config.get(key) or {}).get("enabled", False) is True:
+            return "bf16" if key == "bfloat16" else key
+    return "fp32"
+
+
+def check_supported(ds_config: Mapping[str, Any], conf=None) -> None:
+    """Refuse engine settings the hook cannot work with, before any collective (same error on every rank).
+
+    ``conf`` is the hook's config (the ``comm_hook`` section when omitted)."""
+    if conf is None:
+        conf = load_config({"comm_hook": ds_config.get("comm_hook")}) if ds_config.get("comm_hook") else None
+    if conf is None:
+        return
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    precision = _precision(ds_config)
+    if stage not in (0, 1, 2):
+        raise ConfigError(
+            f"comm_hook needs zero_optimization.stage 0, 1 or 2, got {stage}: ZeRO-3 partitions the parameters "
+            "themselves and gathers them layer by layer inside forward and backward, so there is no per-rank "
+            "model to average between syncs; use stage 2 (optimizer state and gradients sharded inside the "
+            "replica group) with a comm_hook")
+    if registry.for_config(conf).state_class.engine_data_parallel:
+        return  # replica groups: DeepSpeed's own data parallelism inside, any precision, ZeRO 0-2
     if stage:
         raise ConfigError(
-            f"comm_hook needs zero_optimization.stage 0, got {stage}: ZeRO >= 1 shards the optimizer state "
-            "and reduce-scatters gradients inside its own optimizer, so the hook would average the wrong "
-            "tensors and engine.step() fails without DeepSpeed's allreduce; use stage 0 with a comm_hook"
-        )
-    for key in ("fp16", "bf16"):
-        if ds_config.get(key, {}).get("enabled", False):
-            raise ConfigError(
-                f"comm_hook with DeepSpeed's {key}.enabled=true is not supported yet (its mixed-precision "
-                "optimizer wraps the optimizer the hook attaches to); use torch autocast or fp32"
-            )
+            f"comm_hook type {conf.kind!r} needs zero_optimization.stage 0, got {stage}: it reduces gradients "
+            "itself, per weight matrix, and ZeRO >= 1 reduce-scatters flat gradient partitions that cut through "
+            "the matrices inside its own optimizer; use stage 0 (bf16 is supported there), or a hook with "
+            "replica groups (qsr) for ZeRO 1/2")
+    if precision == "fp16":
+        raise ConfigError(
+            f"comm_hook type {conf.kind!r} does not support DeepSpeed's fp16.enabled=true: it averages gradients "
+            "across ranks itself, and DeepSpeed's loss scaler scales each rank's gradients by its own factor; "
+            "use \"bf16\": {\"enabled\": true} (no loss scaling), or torch autocast with fp32 weights")
 
 
-class _BoundaryReducer:
-    """Replaces the engine's backward allreduce: reduce through the algorithm right before the boundary step."""
+# ------------------------------------------------------------------ replica groups as DeepSpeed's mpu
 
-    def __init__(self, engine, state):
-        self.engine = engine
-        self.state = state
-        self.params = [p for p in engine.module.parameters() if p.requires_grad]
+
+class ReplicaGroups:
+    """An ``mpu`` for ``deepspeed.initialize``: the data-parallel group is this rank's replica group.
+
+    Model parallelism is not used: the model-parallel group is the rank alone.  Built collectively
+    (every rank creates every group, in the same order).
+    """
+
+    def __init__(self, groups: List[Tuple[int, ...]]):
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        self.groups = groups
+        self.ranks = groups[replicas.group_of(groups, rank)]
+        handles = [dist.new_group(list(g)) for g in groups]
+        self._dp = handles[replicas.group_of(groups, rank)]
+        singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
+        self._mp = singles[rank]
+        self._rank = rank
+
+    @classmethod
+    def for_config(cls, conf, world_size: int, local_world_size: Optional[int]) -> Optional["ReplicaGroups"]:
+        """The mpu for hook config ``conf``, or None when the algorithm reduces gradients itself."""
+        state_class = registry.for_config(conf).state_class
+        groups = state_class.data_parallel_groups(conf, world_size, local_world_size)
+        return None if groups is None else cls(groups)
+
+    def get_data_parallel_group(self):
+        return self._dp
+
+    def get_data_parallel_rank(self) -> int:
+        return self.ranks.index(self._rank)
+
+    def get_data_parallel_world_size(self) -> int:
+        return len(self.ranks)
+
+    def get_data_parallel_group_ranks(self) -> List[int]:
+        return list(self.ranks)
+
+    def get_model_parallel_group(self):
+        return self._mp
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self._rank
+
+
+# ------------------------------------------------------------------ what the engine's optimizer steps
+
+
+def _masters(engine) -> Tuple[List[Tuple[str, torch.Tensor]], Optional[List[torch.Tensor]], Optional[Callable]]:
+    """(named master tensors, the module parameter of each or None, refresh) for the engine's optimizer.
+
+    fp32 at ZeRO 0: the module's own parameters, nothing to refresh.  DeepSpeed's fp16/bf16 optimizer at
+    ZeRO 0: one fp32 copy per parameter (same shape), refreshed by copying.  ZeRO 1/2 and the BF16
+    optimizer: this rank's flat fp32 partition per param group, refreshed by DeepSpeed's
+    ``update_lp_params`` (copy into the low-precision partition, all-gather inside the data-parallel group).
+    """
+    wrapper, inner = engine.optimizer, engine.basic_optimizer
+    if wrapper is inner:
+        return list(engine.module.named_parameters()), None, None
+    if hasattr(wrapper, "fp32_groups") and hasattr(wrapper, "fp16_groups"):  # fp16/bf16 at ZeRO 0
+        name_of = {id(p): n for n, p in engine.module.named_parameters()}
+        named, lows = [], []
+        for i, (highs, lowgroup) in enumerate(zip(wrapper.fp32_groups, wrapper.fp16_groups)):
+            for j, (hi, lo) in enumerate(zip(highs, lowgroup)):
+                named.append((name_of.get(id(lo), f"group{i}.param{j}"), hi))
+                lows.append(lo)
+
+        @torch.no_grad()
+        def refresh():
+            for (_, hi), lo in zip(named, lows):
+                lo.copy_(hi)
+
+        return named, lows, refresh
+    if hasattr(wrapper, "update_lp_params"):  # ZeRO 1/2, BF16_Optimizer: flat partitions
+        named = [(f"partition.group{i}.{j}", p) for i, g in enumerate(inner.param_groups) for j, p in enumerate(g["params"])]
+        return named, None, wrapper.update_lp_params
+    raise ConfigError(f"comm_hook does not know DeepSpeed's optimizer {type(wrapper).__name__} (its fp32 master "
+                      "weights are where a sync must act); use fp32, bf16 or fp16 at ZeRO stage 0, 1 or 2")
+
+
+def _may_skip_steps(engine) -> bool:
+    """Whether DeepSpeed may skip an optimizer step (and its lr-scheduler step) on an overflow: fp16's loss
+    scaler, and bf16 with ``check_grad_overflow`` (DeepSpeed's default)."""
+    if engine.fp16_enabled():
+        return True
+    bf16 = getattr(getattr(engine, "_config", None), "bfloat16_config", None)
+    return engine.bfloat16_enabled() and bool(getattr(bf16, "check_grad_overflow", True))
+
+
+class _StepDriver:
+    """Wraps ``engine.step``: at the accumulation boundary, reduce through the algorithm (if it does),
+    then count the optimizer step on the state (skipped fp16 steps too)."""
+
+    def __init__(self, engine, state, lows: Optional[List[torch.Tensor]], drives: bool, engine_reduces: bool):
+        self.engine, self.state, self.drives = engine, state, drives
+        self.params = [p for _, p in state.named_params]  # what the algorithm names (masters or parameters)
+        self.lows = lows if lows is not None else self.params  # where the engine's gradients are
         self._step = engine.step
-        engine.enable_backward_allreduce = False
+        if not engine_reduces:  # the engine only accumulates locally; the algorithm decides what is sent
+            engine.enable_backward_allreduce = False
         engine.step = self.step  # instance attribute: shadows the method for this engine only
 
+    def _reduce(self) -> None:
+        grads = []
+        for p in self.lows:
+            if p.grad is None:  # every rank must send the same tensors
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad if p.grad.dtype == torch.float32 else p.grad.float())
+        self.state.reduce_gradients(grads, self.params).wait()
+        for p, g in zip(self.lows, grads):
+            if g is not p.grad:
+                p.grad.copy_(g)
+
     def step(self, *args, **kwargs):
-        if self.engine.is_gradient_accumulation_boundary() and self.state.reduces_gradients:
-            for p in self.params:
-                if p.grad is None:  # every rank must send the same tensors
-                    p.grad = torch.zeros_like(p)
-            self.state.reduce_gradients([p.grad for p in self.params], self.params).wait()
-        return self._step(*args, **kwargs)
+        if not self.engine.is_gradient_accumulation_boundary():
+            return self._step(*args, **kwargs)
+        if self.state.reduces_gradients:
+            self._reduce()
+        if self.drives:
+            self.state.begin_step()
+        skipped = self.engine.skipped_steps
+        out = self._step(*args, **kwargs)
+        if self.drives:
+            self.state.skipped_steps += self.engine.skipped_steps - skipped
+            self.state.end_step()
+        return out
 
 
 def attach(engine, config=None, process_group=None):
@@ -92,7 +258,9 @@ def attach(engine, config=None, process_group=None):
 
     Returns the algorithm's state (``state.meter``, ``state.state_dict()``),
     also kept as ``engine.comm_hook_state``.  ``{"type": "none"}`` keeps
-    DeepSpeed's own allreduce and returns ``None``.
+    DeepSpeed's own allreduce and returns ``None``.  An algorithm with replica
+    groups needs the engine built with their ``mpu`` (:func:`initialize` does
+    that; by hand: ``deepspeed.initialize(..., mpu=ReplicaGroups.for_config(...))``).
     """
     ds_config = engine.config if isinstance(getattr(engine, "config", None), Mapping) else {}
     if config is None:
@@ -100,15 +268,32 @@ def attach(engine, config=None, process_group=None):
         if config is None:
             raise ConfigError("no comm_hook given and the DeepSpeed config has no 'comm_hook' section")
     conf = load_config(config)
-    check_supported({"zero_optimization": {"stage": engine.zero_optimization_stage()},
-                     "fp16": {"enabled": engine.fp16_enabled()}, "bf16": {"enabled": engine.bfloat16_enabled()}})
     if conf is None:
         engine.comm_hook_state = None
         return None
+    check_supported({"zero_optimization": {"stage": engine.zero_optimization_stage()},
+                     "fp16": {"enabled": engine.fp16_enabled()}, "bf16": {"enabled": engine.bfloat16_enabled()}}, conf)
     state_class = registry.for_config(conf).state_class
-    state = state_class(optimizer=engine.optimizer, model=engine.module, engine=engine_facts(engine.module),
+    facts = engine_facts(engine.module)
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    groups = state_class.data_parallel_groups(conf, world, facts.local_world_size)
+    replica_parallel = groups is not None and engine.dp_world_size == len(groups[0])
+    if groups is not None and not replica_parallel and (engine.zero_optimization_stage() or engine.optimizer is not engine.basic_optimizer):
+        # (fp32 at ZeRO 0 without the groups' mpu still works: the hook then reduces inside the groups itself)
+        raise ConfigError(
+            f"comm_hook group size {len(groups[0])} needs the engine's data-parallel group to be the replica group, "
+            f"but the engine was built with {engine.dp_world_size} data-parallel ranks; build it with "
+            "commhooks.deepspeed.initialize (or pass mpu=commhooks.deepspeed.ReplicaGroups.for_config(...) to "
+            "deepspeed.initialize)")
+    named, lows, refresh = _masters(engine)
+    drives = engine.optimizer is not engine.basic_optimizer  # DeepSpeed's wrappers step the inner one per group
+    facts = dataclasses.replace(facts, drives_steps=drives, replica_data_parallel=replica_parallel,
+                                lr_may_differ=drives and _may_skip_steps(engine), tensors_changed=refresh)
+    state = state_class(optimizer=engine.basic_optimizer, named_parameters=named, engine=facts,
                         process_group=process_group, config=conf)
-    _BoundaryReducer(engine, state)
+    _StepDriver(engine, state, lows, drives, engine_reduces=replica_parallel)
     engine.comm_hook_state = state
     return state
 
@@ -118,19 +303,30 @@ def initialize(args=None, model=None, model_parameters=None, config=None, **kwar
 
     The DeepSpeed config comes from ``config`` (dict or JSON path) or from
     ``args.deepspeed_config``.  The hook section is validated, and unsupported
-    engine settings refused, before DeepSpeed issues any collective.
+    engine settings refused, before DeepSpeed issues any collective.  With
+    replica groups, the engine is built with their ``mpu``.
     """
     import deepspeed
+    import torch.distributed as dist
 
     source = config if config is not None else getattr(args, "deepspeed_config", None)
     ds_config = read_ds_config(source)
     hook_section = ds_config.get("comm_hook")
     conf = load_config({"comm_hook": hook_section}) if hook_section is not None else None
-    if hook_section is not None and conf is not None:
-        check_supported(ds_config)
+    if conf is not None:
+        check_supported(ds_config, conf)
     if config is None and args is not None and getattr(args, "deepspeed_config", None) is not None:
         config = ds_config  # DeepSpeed would re-read the file; hand it the dict we validated
         args.deepspeed_config = None
+    if conf is not None:
+        if not dist.is_initialized():
+            deepspeed.init_distributed()
+        mpu = ReplicaGroups.for_config(conf, dist.get_world_size(), engine_facts(model).local_world_size)
+        if mpu is not None:
+            if kwargs.get("mpu") is not None:
+                raise ConfigError("comm_hook with replica groups builds DeepSpeed's data-parallel groups itself "
+                                  "(mpu); a model-parallel mpu cannot be combined with it yet")
+            kwargs["mpu"] = mpu
     engine, optimizer, loader, scheduler = deepspeed.initialize(
         args=args, model=model, model_parameters=model_parameters, config=config if config is not None else ds_config,
         **kwargs,
@@ -138,3 +334,56 @@ def initialize(args=None, model=None, model_parameters=None, config=None, **kwar
     if hook_section is not None:
         attach(engine, conf)
     return engine, optimizer, loader, scheduler
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _replica_dir(engine, path) -> str:
+    """``path`` itself, or ``path/replica<g>`` when the engine's data-parallel group is one of several replica
+    groups: DeepSpeed names its files by data-parallel rank, so the groups (whose weights and optimizer
+    states differ between syncs) must not write into the same folder."""
+    state = getattr(engine, "comm_hook_state", None)
+    import torch.distributed as dist
+
+    if state is None or not state.engine.replica_data_parallel or engine.dp_world_size == dist.get_world_size():
+        return str(path)
+    return os.path.join(str(path), f"replica{dist.get_rank() // engine.dp_world_size}")
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, **kwargs):
+    """``engine.save_checkpoint`` plus the hook's state, per replica group; collective (every rank calls it).
+
+    Resumes exactly with :func:`load_checkpoint` on the same layout (the hook's state is per rank:
+    ``comm_hook_rank<r>.pt`` beside DeepSpeed's files).  Returns what DeepSpeed returns."""
+    import torch.distributed as dist
+
+    where = _replica_dir(engine, save_dir)
+    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    out = engine.save_checkpoint(where, tag=tag, client_state=client_state or {}, **kwargs)
+    state = getattr(engine, "comm_hook_state", None)
+    if state is not None:
+        os.makedirs(os.path.join(where, str(tag)), exist_ok=True)
+        torch.save(state.state_dict(), os.path.join(where, str(tag), f"comm_hook_rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    return out
+
+
+def load_checkpoint(engine, load_dir, tag=None, **kwargs):
+    """``engine.load_checkpoint`` plus the hook's state saved by :func:`save_checkpoint`; returns DeepSpeed's
+    ``(path, client_state)``.  A missing hook state raises :class:`~commhooks.checkpoint.CheckpointError`."""
+    import torch.distributed as dist
+
+    from .checkpoint import CheckpointError
+
+    where = _replica_dir(engine, load_dir)
+    path, client_state = engine.load_checkpoint(where, tag=tag, **kwargs)
+    state = getattr(engine, "comm_hook_state", None)
+    if state is not None and path is not None:
+        hook_file = os.path.join(os.path.dirname(path) if os.path.isfile(path) else path,
+                                 f"comm_hook_rank{dist.get_rank()}.pt")
+        if not os.path.exists(hook_file):
+            raise CheckpointError(f"{hook_file} is missing: the checkpoint was not written by "
+                                  "commhooks.deepspeed.save_checkpoint (the hook's schedule cannot resume)")
+        state.load_state_dict(torch.load(hook_file, weights_only=True))
+    return path, client_state

@@ -48,22 +48,32 @@ def ddp_run(conf, micro_batches):
     return ddp_train(conf, args.steps, lambda step, m: batch(step, m, 16 // micro_batches), micro_batches)
 
 
-def ds_run(conf, micro_batches, zero_stage=0):
+def ds_run(conf, micro_batches, zero_stage=0, bf16=False):
     m = mlp()
     opt = torch.optim.SGD(m.parameters(), **SGD)
     cfg = {**copy.deepcopy(base), "train_micro_batch_size_per_gpu": 16 // micro_batches,
            "gradient_accumulation_steps": micro_batches, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
-           "comm_hook": to_dict(conf)}
+           "comm_hook": to_dict(conf), "bf16": {"enabled": bf16}}
     engine, _, _, _ = ds_adapter.initialize(model=m, optimizer=opt, config=cfg)
-    assert engine.config["comm_hook"] == to_dict(conf) and not engine.enable_backward_allreduce
+    state = engine.comm_hook_state
+    # replica groups: DeepSpeed's own allreduce runs inside the group (here the rank alone); otherwise it is off
+    assert engine.config["comm_hook"] == to_dict(conf)
+    assert engine.enable_backward_allreduce == state.engine.replica_data_parallel
+    assert engine.dp_world_size == 1 or not state.engine.replica_data_parallel
     for step in range(args.steps):
         for mb in range(micro_batches):
             x, y = batch(step, mb, 16 // micro_batches)
-            engine.backward(F.cross_entropy(engine(x), y))
+            engine.backward(F.cross_entropy(engine(x.to(torch.bfloat16) if bf16 else x).float(), y))
             engine.step()
     state = engine.comm_hook_state
-    return {n: t.detach().clone() for n, t in m.named_parameters()}, state.meter.bytes(), state.step
+    return {n: t.detach().float().clone() for n, t in m.named_parameters()}, state.meter.bytes(), state.step
+
+
+def ddp_autocast_run(conf):
+    """DDP with fp32 weights and bf16 autocast: what the DeepSpeed bf16 run is compared with."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return ddp_run(conf, 1)
 
 
 result = {"kind": hook.kind, "config": to_dict(hook), "runs": {}}
@@ -78,10 +88,12 @@ if hook.kind == "qsr":  # one launcher run proves the third, unknown algorithm t
     toy = load_config(TOY)
     result["toy"] = {"ddp": ddp_run(toy, 1), "ds": ds_run(toy, 1),
                      "plain": plain_ddp_train(args.steps, lambda step, m: batch(step, m, 16))}
+if hook.kind == "ab":  # bf16 at ZeRO 0: the hook works on the fp32 masters; the initial weights for the error scale
+    result["bf16"] = {"ddp_autocast": ddp_autocast_run(hook), "ds_bf16": ds_run(hook, 1, bf16=True),
+                      "initial": {n: t.detach().clone() for n, t in mlp().named_parameters()}}
 result["accumulation"] = {"ddp_no_sync": ddp_run(hook, 2), "ds_gas2": ds_run(hook, 2)}
-try:
-    ds_run(hook, 1, zero_stage=1)
-    result["zero1"] = None
+try:  # QSR (replica groups of one rank: nothing to shard) equals stage 0; AB is refused before any collective
+    result["zero1"] = ds_run(hook, 1, zero_stage=1)
 except ConfigError as exc:
     result["zero1"] = str(exc)
 torch.save(result, f"{args.out}/rank{rank}.pt")

@@ -86,11 +86,31 @@ class EngineFacts:
       them is moot.
     * ``local_world_size``: ranks per node, from the launcher (``None``:
       unknown, the algorithm treats the world as one node).
+    * ``drives_steps``: the engine calls :meth:`AlgorithmState.begin_step` /
+      :meth:`~AlgorithmState.end_step` itself, once per optimizer step,
+      instead of the optimizer's step hooks (DeepSpeed's mixed-precision and
+      ZeRO wrappers call the inner optimizer once per param group, or not at
+      all on an fp16 overflow).
+    * ``replica_data_parallel``: the engine runs its own data parallelism
+      inside each replica group (gradients averaged every step, ZeRO shards
+      the optimizer inside the group); the tensors the state was given are
+      this rank's *shard* of the group's replica, so a sync averages them
+      with the same shard of the other groups (rank i of every group).
+    * ``lr_may_differ``: the engine may skip an lr-scheduler step on some
+      ranks only (DeepSpeed's fp16 loss scaler on an overflow), so
+      lr-dependent periods are agreed across ranks once per round.
+    * ``tensors_changed``: called right after the state changed the synced
+      tensors outside an optimizer step (a sync, a re-basis); DeepSpeed
+      refreshes the low-precision weights from the fp32 masters there.
     """
 
     module: Optional[torch.nn.Module] = None
     buffers_synced_each_forward: bool = False
     local_world_size: Optional[int] = None
+    drives_steps: bool = False
+    replica_data_parallel: bool = False
+    lr_may_differ: bool = False
+    tensors_changed: Optional[Callable[[], None]] = None
 
 
 _FACT_PROVIDERS: List[Callable[[object], Optional[dict]]] = []
@@ -130,6 +150,8 @@ class AlgorithmState:
     config_class: ClassVar[type] = HookConfig  # set by register_algorithm
     reduces_gradients: bool = False  # declared (a class attribute, or a property of the settings): engines
     # hand gradients over only if True
+    engine_data_parallel: ClassVar[bool] = False  # declared: the engine's own data parallelism (and sharding)
+    # may run unchanged inside the groups of groups_needed (see data_parallel_groups)
 
     def __init__(
         self,
@@ -148,6 +170,7 @@ class AlgorithmState:
         self.optimizer = self.optimizers[0]
         self.engine = engine if engine is not None else engine_facts(model)
         self.module = self.engine.module
+        self._names_given = named_parameters is not None  # else the module's parameters, re-read at each sync
         self.named_params = self._named_parameters(named_parameters)
         self._name_of = {id(p): n for n, p in self.named_params}
         self.validate()  # local checks first: a bad setting raises on every rank before any collective
@@ -170,9 +193,14 @@ class AlgorithmState:
             "config": to_dict(self.config), "world": comm.size, "version": __version__,
             "params": [(n, tuple(p.shape)) for n, p in self.named_params], **self.describe()})
         self.start()
+        self._handles = []
+        self._amp_owned = []
+        if not self.engine.drives_steps:
+            self._register_step_hooks()
+
+    def _register_step_hooks(self) -> None:
         self._amp_owned = [opt for opt in self.optimizers if alignment.take_over_amp_scaling(opt)]
         first, last = self.optimizers[0], self.optimizers[-1]
-        self._handles = []
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(
                 lambda o, args, kwargs: self._pre_step(o, starts=o is first)))
@@ -225,6 +253,17 @@ class AlgorithmState:
         """The rank groups this algorithm will create for ``config`` (engines with static groups, such as
         Horovod's process sets, create them at start-up).  Local: no collective, no state."""
         return []
+
+    @classmethod
+    def data_parallel_groups(cls, config, world_size: int,
+                             local_world_size: Optional[int]) -> Optional[List[Tuple[int, ...]]]:
+        """The groups inside which the engine's own data parallelism may run unchanged (gradients averaged
+        every step, optimizer state sharded), or ``None`` if the algorithm reduces gradients itself.
+
+        An engine that can restrict its data parallelism to a group (DeepSpeed through ``mpu``) does so and
+        builds the state with ``EngineFacts(replica_data_parallel=True)``.  Local: no collective.
+        Declared by ``engine_data_parallel = True``; the groups are those of :meth:`groups_needed`."""
+        return cls.groups_needed(config, world_size, local_world_size) if cls.engine_data_parallel else None
 
     def validate(self) -> None:
         """Subclass hook: check the settings against the model, before the Comm exists (raise ConfigError)."""
@@ -351,9 +390,11 @@ class AlgorithmState:
         self.scaler._growth_tracker.zero_()  # restart growth from the common scale, as after a backoff
 
     def agree_on_period(self, local: Optional[int]) -> Optional[int]:
-        """Inside a Join context, the period every rank uses: the max over ranks (a joined rank, whose lr no
-        longer moves, sends 0).  Outside one: ``local`` unchanged, no communication."""
-        if self._join_config is None or not self._join_config.enable or self.comm.size == 1:
+        """The period every rank uses: the max over ranks, inside a Join context (a joined rank, whose lr no
+        longer moves, sends 0) or when the engine may leave some ranks' lr behind (``lr_may_differ``).
+        Otherwise ``local`` unchanged, no communication."""
+        joining = self._join_config is not None and self._join_config.enable
+        if not (joining or self.engine.lr_may_differ) or self.comm.size == 1:
             return local
         value = torch.tensor([0.0 if self.joined or local is None else float(local)], dtype=torch.float64)
         self.comm.allreduce([value], op="max", tag="join", metered=False)
@@ -363,12 +404,20 @@ class AlgorithmState:
         """Everything a sync makes identical, by name (what ``check_every`` compares); subclasses extend it."""
         return list(self.named_params) + [(f"buffer{i}", b) for i, b in enumerate(self.float_buffers())]
 
-    def synced(self) -> None:
-        """Count a completed sync; every ``check_every``-th, prove the ranks now agree (raises on every rank)."""
+    def synced(self, group=None) -> None:
+        """Count a completed sync and let the engine refresh what derives from the synced tensors; every
+        ``check_every``-th, prove the ranks of ``group`` (default: the world) now agree (raises on every rank)."""
+        self.tensors_changed()
         self.syncs += 1
         self.sync_steps.append(self.step)
         if self.config.check_every and self.syncs % self.config.check_every == 0:
-            verify_identical(self.comm, self.sync_named(), f"after {self.display_name} sync {self.syncs} (step {self.step})")
+            verify_identical(self.comm, self.sync_named(), f"after {self.display_name} sync {self.syncs} (step {self.step})",
+                             group=group)
+
+    def tensors_changed(self) -> None:
+        """Tell the engine the synced tensors changed outside an optimizer step (after a sync, a re-basis)."""
+        if self.engine.tensors_changed is not None:
+            self.engine.tensors_changed()
 
     def refresh_parameters(self) -> List[str]:
         """Bring in parameters that became trainable or were added to an optimizer since the state was built.
@@ -376,7 +425,7 @@ class AlgorithmState:
         Called before each sync (local check; a handshake only when something changed, and then on every
         rank that made the same change, as ranks running the same code do).  Returns the new names.
         """
-        current = self._named_parameters(None if self.module is not None else [
+        current = self._named_parameters(None if self.module is not None and not self._names_given else [
             (n, p) for n, p in self.named_params])
         known = {id(p) for _, p in self.named_params}
         new = [(n, p) for n, p in current if id(p) not in known]

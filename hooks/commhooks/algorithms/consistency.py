@@ -54,12 +54,13 @@ def verify_same_everywhere(comm: Comm, what: str, description: dict) -> None:
         )
 
 
-def verify_identical(comm: Comm, named: Sequence[Tuple[str, torch.Tensor]], when: str) -> None:
-    """Raise DivergenceError on every rank, naming the tensors whose checksums differ."""
-    if comm.size == 1 or not named:
+def verify_identical(comm: Comm, named: Sequence[Tuple[str, torch.Tensor]], when: str, group=None) -> None:
+    """Raise DivergenceError on every rank of ``group`` (default: the world), naming the tensors whose
+    checksums differ."""
+    if (comm.size if group is None else group.size) == 1 or not named:
         return
     sums = torch.stack([torch.stack([t.detach().double().sum(), t.detach().double().abs().sum()]) for _, t in named])
-    hi, lo = spread_over_ranks(comm, sums.reshape(-1))
+    hi, lo = spread_over_ranks(comm, sums.reshape(-1), group=group)
     differ = (hi != lo).reshape(-1, 2).any(dim=1)
     if bool(differ.any()):
         names = [n for (n, _), bad in zip(named, differ.tolist()) if bad]

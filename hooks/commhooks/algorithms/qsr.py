@@ -130,10 +130,12 @@ class QSRState(AlgorithmState):
         size = replicas.resolve_size(config.group_size, world_size, local_world_size)
         return replicas.contiguous_groups(size, world_size, "qsr.group_size")
 
+    engine_data_parallel = True  # an engine may run its own data parallelism (and ZeRO) inside each replica group
+
     @property
     def reduces_gradients(self) -> bool:
-        """Only with replica groups of 2 or more: their gradients are averaged every step."""
-        return self.replica.size > 1
+        """Only with replica groups of 2 or more, unless the engine averages inside them itself."""
+        return self.replica.size > 1 and not self.engine.replica_data_parallel
 
     def setup(self) -> None:
         origin = " (ranks per node, LOCAL_WORLD_SIZE)" if self.config.group_size is None else ""
@@ -155,11 +157,16 @@ class QSRState(AlgorithmState):
 
     def start(self) -> None:
         mine = replicas.group_of(self.replica_ranks, self.comm.rank)
+        self.shards = None  # the group of this rank's shard across replicas, when the engine shards
         if len(self.replica_ranks[mine]) == 1:  # every rank its own replica: no group to create
             self.replica = Group(f"replica{mine}", self.replica_ranks[mine])
             return
         groups = [self.comm.new_group(g, name=f"replica{i}") for i, g in enumerate(self.replica_ranks)]
         self.replica = groups[mine]
+        if self.engine.replica_data_parallel:
+            across = replicas.across_groups(self.replica_ranks)
+            shards = [self.comm.new_group(g, name=f"shard{i}") for i, g in enumerate(across)]
+            self.shards = shards[replicas.group_of(across, self.comm.rank)]
 
     def reduce_gradients(self, grads, params, flat=None):
         """Replica groups: the mean gradient of the group, every step (the engine's own data parallelism)."""
@@ -193,13 +200,22 @@ class QSRState(AlgorithmState):
 
         With replica groups the ranks of a group already hold the same parameters, so the world mean is
         the mean over groups; buffers (BatchNorm statistics) still differ inside a group and need the
-        world mean anyway.
+        world mean anyway.  When the engine shards inside the group (``replica_data_parallel``), each
+        rank holds a different shard: it is averaged with the same shard of the other groups (one payload
+        of the shard's size per rank), and the buffers over the world in a second call.
         """
         self.refresh_parameters()
-        self.average([t for _, t in self.sync_named()], tag="sync")
+        named = self.sync_named()
+        if self.shards is None:
+            self.average([t for _, t in named], tag="sync")
+        else:
+            buffers = {id(b) for b in float_buffers(self.module)}
+            self.average([t for _, t in named if id(t) not in buffers], group=self.shards, tag="sync")
+            if buffers and self.config.average_buffers:
+                self.average([t for _, t in named if id(t) in buffers], tag="sync-buffers")
         self.since_sync = 0
         self.H = None
-        self.synced()
+        self.synced(group=self.shards)
 
     def algorithm_state_dict(self) -> dict:
         return {"since_sync": self.since_sync, "H": self.H}

@@ -32,3 +32,9 @@ def contiguous_groups(size: int, world: int, key: str, origin: str = "") -> List
 def group_of(groups: List[Tuple[int, ...]], rank: int) -> int:
     """Index of the group holding ``rank``."""
     return next(i for i, g in enumerate(groups) if rank in g)
+
+
+def across_groups(groups: List[Tuple[int, ...]]) -> List[Tuple[int, ...]]:
+    """The i-th rank of every group, for each i: where a shard held by one rank of a group meets the same
+    shard of the other groups."""
+    return [tuple(g[i] for g in groups) for i in range(len(groups[0]))]

@@ -185,6 +185,7 @@ class ABState(AlgorithmState):
         self.bases, self.ranks = transitions.enter(self.comm, self.candidates, self.config, keep_residual,
                                               f"before step {self.step}")
         clear_optimizer_state(self.optimizer, [self._param[n] for n in self.bases])
+        self.tensors_changed()
 
     def sync(self) -> None:
         """Average the groups' models over the world, leave AB, clear optimizer state."""

@@ -1,0 +1,154 @@
+"""QSR replica groups inside real DeepSpeed engines (bf16/fp16, ZeRO 0-2), 4 ranks in groups of 2.
+
+    torchrun --nproc_per_node 4 tests/scripts/ds_replicas.py --out DIR
+
+Runs several engines in one process group (DeepSpeed is slow to start) and writes DIR/rank<r>.pt:
+per run and step, whether the 4 ranks' weights are identical, identical inside the pair, the
+collectives DeepSpeed and the hook issued (ranks, bytes), losses, and what the state counted.
+"""
+
+import argparse
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import commhooks.deepspeed as ds_adapter
+from commhooks.launch import init_distributed, shutdown
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--local_rank", type=int)
+args = p.parse_args()
+
+info = init_distributed(timeout=120)
+rank, world = info["rank"], info["world_size"]
+assert world == 4
+PAIR = (0, 1) if rank < 2 else (2, 3)
+TEACHER = torch.Generator().manual_seed(5)
+W_TRUE = torch.randn(12, 3, generator=TEACHER)
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def batch(step, size=32):
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    x = torch.randn(size, 12, generator=g)
+    return x, (x @ W_TRUE).argmax(1)
+
+
+class Collectives:
+    """Every torch.distributed collective while active: (ranks of its group, payload bytes)."""
+
+    NAMES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
+             "broadcast", "reduce", "_all_gather_base", "_reduce_scatter_base", "all_to_all_single")
+
+    def __init__(self):
+        self.calls = []
+
+    def __enter__(self):
+        self.saved = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
+        for name, real in self.saved.items():
+            setattr(dist, name, self._wrap(real))
+        return self
+
+    def _wrap(self, real):
+        def call(tensor, *a, **kw):
+            group = kw.get("group")
+            ranks = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
+            t = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
+            self.calls.append((ranks, t.numel() * t.element_size() if torch.is_tensor(t) else 0))
+            return real(tensor, *a, **kw)
+        return call
+
+    def __exit__(self, *exc):
+        for name, real in self.saved.items():
+            setattr(dist, name, real)
+
+
+def flat_weights(m):
+    return torch.cat([q.detach().float().reshape(-1) for q in m.parameters()])
+
+
+def agreement(m):
+    """(all 4 ranks identical, identical inside my pair)."""
+    mine = flat_weights(m)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return all(torch.equal(every[0], e) for e in every), torch.equal(every[PAIR[0]], every[PAIR[1]])
+
+
+def run(precision, stage, steps, hook, overflow_at=None, scheduler=None, resume_at=None, ckpt=None):
+    """Train ``steps`` optimizer steps; ``resume_at``: save there, rebuild the engine, load, go on."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    cfg = {"train_micro_batch_size_per_gpu": 32, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**6,
+           "comm_hook": hook}
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000, "hysteresis": 1}
+    if scheduler:
+        cfg["scheduler"] = scheduler
+
+    def build():
+        m = model()
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+        engine, *_ = ds_adapter.initialize(model=m, optimizer=opt, config=copy.deepcopy(cfg))
+        return m, engine
+
+    m, engine = build()
+    out = {"all_equal": [], "pair_equal": [], "losses": [], "lr": [], "calls": []}
+    for step in range(steps):
+        if resume_at is not None and step == resume_at:
+            ds_adapter.save_checkpoint(engine, ckpt, tag="mid")
+            m, engine = build()
+            ds_adapter.load_checkpoint(engine, ckpt, tag="mid")
+        x, y = batch(step)
+        out["lr"].append(float(engine.get_lr()[0]))
+        with Collectives() as seen:
+            loss = F.cross_entropy(engine(x.to(dtype)).float(), y)
+            if overflow_at == step and rank >= 2:
+                loss = loss * float("inf")  # the second pair overflows, the first does not
+            engine.backward(loss)
+            engine.step()
+        out["calls"].append(seen.calls)
+        out["losses"].append(float(loss) if torch.isfinite(loss) else None)
+        a, pr = agreement(m)
+        out["all_equal"].append(a)
+        out["pair_equal"].append(pr)
+    state = engine.comm_hook_state
+    partition = sum(t.numel() for _, t in state.named_params)
+    out.update(sync_steps=list(state.sync_steps), step=state.step, skipped=state.skipped_steps,
+               ds_skipped=engine.skipped_steps, dp_world=engine.dp_world_size, partition_numel=partition,
+               by_tag=state.meter.by_tag(), final=flat_weights(m), report=state.report())
+    return out
+
+
+QSR = {"type": "qsr", "h_base": 3, "alpha": 0.0, "warmup_steps": 0, "total_steps": 12, "group_size": 2}
+result = {"rank": rank}
+for stage in (1, 2):
+    result[f"bf16_zero{stage}"] = run("bf16", stage, 12, QSR)
+# the lr warms up, so a skipped scheduler step leaves the overflowing pair's lr behind: the rule's period differs
+warm = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.05, "warmup_num_steps": 10,
+                                      "warmup_type": "linear"}}
+rule = {"type": "qsr", "h_base": 2, "alpha": 0.06, "warmup_steps": 4, "total_steps": 16, "group_size": 2}
+for stage in (0, 2):  # DeepSpeed skips a bf16 step whose gradients overflow (check_grad_overflow, its default)
+    result[f"bf16_zero{stage}_overflow"] = run("bf16", stage, 16, rule, overflow_at=3, scheduler=warm)
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+
+if get_accelerator().is_fp16_supported():  # the loss scaler itself; DeepSpeed refuses fp16 on CPUs without it
+    result["fp16_zero2_overflow"] = run("fp16", 2, 16, rule, overflow_at=3, scheduler=warm)
+else:
+    result["fp16_zero2_overflow"] = f"fp16 not supported by DeepSpeed's {get_accelerator().device_name()} accelerator here"
+straight = run("bf16", 2, 12, QSR)
+resumed = run("bf16", 2, 12, QSR, resume_at=7, ckpt=f"{args.out}/ckpt")
+result["resume"] = {"straight": straight["final"], "resumed": resumed["final"],
+                    "sync_steps": (straight["sync_steps"], resumed["sync_steps"])}
+torch.save(result, f"{args.out}/rank{rank}.pt")
+shutdown()
