@@ -17,6 +17,7 @@ from torch import nn
 
 import commhooks.deepspeed as ds_adapter
 from commhooks.launch import init_distributed, shutdown
+from commhooks.tools.measure import PayloadCounter
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -40,35 +41,6 @@ def batch(step, size=32):
     g = torch.Generator().manual_seed(7919 * step + rank)
     x = torch.randn(size, 12, generator=g)
     return x, (x @ W_TRUE).argmax(1)
-
-
-class Collectives:
-    """Every torch.distributed collective while active: (ranks of its group, payload bytes)."""
-
-    NAMES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor", "all_gather",
-             "broadcast", "reduce", "_all_gather_base", "_reduce_scatter_base", "all_to_all_single")
-
-    def __init__(self):
-        self.calls = []
-
-    def __enter__(self):
-        self.saved = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
-        for name, real in self.saved.items():
-            setattr(dist, name, self._wrap(real))
-        return self
-
-    def _wrap(self, real):
-        def call(tensor, *a, **kw):
-            group = kw.get("group")
-            ranks = tuple(range(world)) if group is None else tuple(dist.get_process_group_ranks(group))
-            t = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
-            self.calls.append((ranks, t.numel() * t.element_size() if torch.is_tensor(t) else 0))
-            return real(tensor, *a, **kw)
-        return call
-
-    def __exit__(self, *exc):
-        for name, real in self.saved.items():
-            setattr(dist, name, real)
 
 
 def flat_weights(m):
@@ -111,13 +83,13 @@ def run(precision, stage, steps, hook, overflow_at=None, scheduler=None, resume_
             ds_adapter.load_checkpoint(engine, ckpt, tag="mid")
         x, y = batch(step)
         out["lr"].append(float(engine.get_lr()[0]))
-        with Collectives() as seen:
+        with PayloadCounter(log_calls=True) as seen:
             loss = F.cross_entropy(engine(x.to(dtype)).float(), y)
             if overflow_at == step and rank >= 2:
                 loss = loss * float("inf")  # the second pair overflows, the first does not
             engine.backward(loss)
             engine.step()
-        out["calls"].append(seen.calls)
+        out["calls"].append(seen.log)
         out["losses"].append(float(loss) if torch.isfinite(loss) else None)
         a, pr = agreement(m)
         out["all_equal"].append(a)

@@ -170,8 +170,11 @@ class AlgorithmState:
         self.optimizer = self.optimizers[0]
         self.engine = engine if engine is not None else engine_facts(model)
         self.module = self.engine.module
-        self._names_given = named_parameters is not None  # else the module's parameters, re-read at each sync
         self.named_params = self._named_parameters(named_parameters)
+        # the module's parameters are re-read at each sync, unless the engine handed over other tensors
+        # (DeepSpeed's fp32 masters) to sync in their place
+        own = {id(p) for p in self.module.parameters()} if self.module is not None else set()
+        self._names_given = self.module is None or not {id(p) for _, p in self.named_params} <= own
         self._name_of = {id(p): n for n, p in self.named_params}
         self.validate()  # local checks first: a bad setting raises on every rank before any collective
         if comm is None:
@@ -425,7 +428,7 @@ class AlgorithmState:
         Called before each sync (local check; a handshake only when something changed, and then on every
         rank that made the same change, as ranks running the same code do).  Returns the new names.
         """
-        current = self._named_parameters(None if self.module is not None and not self._names_given else [
+        current = self._named_parameters(None if not self._names_given else [
             (n, p) for n, p in self.named_params])
         known = {id(p) for _, p in self.named_params}
         new = [(n, p) for n, p in current if id(p) not in known]

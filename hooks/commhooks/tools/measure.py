@@ -1,7 +1,7 @@
 """Measuring traffic the same way for every method: payload handed to torch.distributed, and bytes on the wire.
 
-:class:`PayloadCounter` wraps ``torch.distributed.all_reduce`` / ``broadcast``
-for the duration of a ``with`` block, so torch's own hooks (fp16, PowerSGD,
+:class:`PayloadCounter` wraps torch.distributed's collectives (and
+DeepSpeed's bound copies) for the duration of a ``with`` block, so torch's own hooks (fp16, PowerSGD,
 model averaging), which never see commhooks' meter, are counted exactly like
 ours.  It calls straight through to the real collective.  :func:`iface_bytes`
 reads the kernel's counters of a network interface (in the benchmark, each
@@ -11,6 +11,7 @@ headers and retransmissions included.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -18,33 +19,72 @@ import torch.distributed as dist
 
 
 class PayloadCounter:
-    """Counts payload bytes and calls of ``dist.all_reduce`` and ``dist.broadcast`` (the latter at its source)."""
+    """Counts payload bytes and calls of torch.distributed's collectives while active, in total and by group.
 
-    def __init__(self):
+    Bytes per call: the tensor of an all-reduce or reduce; of a broadcast at its source only; the input of
+    a reduce-scatter and the output of an all-gather (the data the collective covers).  DeepSpeed binds
+    its reduce-scatter and all-gather functions when it starts; those bound copies are wrapped too, so
+    ZeRO's traffic counts like everyone else's.  ``by_group`` maps the ranks of each group (a tuple) to
+    its bytes; ``log`` (with ``log_calls=True``) keeps ``(ranks, bytes)`` per call.
+    """
+
+    FUNCTIONS = ("all_reduce", "reduce", "broadcast", "reduce_scatter_tensor", "_reduce_scatter_base",
+                 "all_gather_into_tensor", "_all_gather_base", "all_gather", "reduce_scatter", "all_to_all_single")
+
+    def __init__(self, log_calls: bool = False):
         self.bytes = 0
         self.calls = 0
-        self._saved = None
+        self.by_group: Dict[tuple, int] = {}
+        self.log = [] if log_calls else None
+        self._saved = []
+
+    def _count(self, name, args, kwargs):
+        group = kwargs.get("group")
+        if name == "broadcast":
+            src = kwargs.get("src", args[1] if len(args) > 1 else None)
+            if dist.get_rank() != src:
+                return
+        if name in ("reduce_scatter_tensor", "_reduce_scatter_base"):
+            t = kwargs.get("input", args[1] if len(args) > 1 else None)
+        elif name in ("all_gather_into_tensor", "_all_gather_base"):
+            t = kwargs.get("output_tensor", args[0] if args else None)
+        else:
+            t = kwargs.get("tensor", args[0] if args else None)
+        size = (sum(x.numel() * x.element_size() for x in t) if isinstance(t, (list, tuple))
+                else t.numel() * t.element_size() if t is not None else 0)
+        ranks = tuple(range(dist.get_world_size())) if group is None else tuple(dist.get_process_group_ranks(group))
+        self.bytes += size
+        self.calls += 1
+        self.by_group[ranks] = self.by_group.get(ranks, 0) + size
+        if self.log is not None:
+            self.log.append((ranks, size))
+
+    def _wrap(self, owner, attr, name):
+        real = getattr(owner, attr)
+
+        def call(*args, **kwargs):
+            self._count(name, args, kwargs)
+            return real(*args, **kwargs)
+
+        self._saved.append((owner, attr, real))
+        setattr(owner, attr, call)
 
     def __enter__(self):
-        real_all_reduce, real_broadcast = dist.all_reduce, dist.broadcast
-
-        def all_reduce(tensor, *args, **kwargs):
-            self.bytes += tensor.numel() * tensor.element_size()
-            self.calls += 1
-            return real_all_reduce(tensor, *args, **kwargs)
-
-        def broadcast(tensor, src, *args, **kwargs):
-            if dist.get_rank() == src:
-                self.bytes += tensor.numel() * tensor.element_size()
-                self.calls += 1
-            return real_broadcast(tensor, src, *args, **kwargs)
-
-        self._saved = (real_all_reduce, real_broadcast)
-        dist.all_reduce, dist.broadcast = all_reduce, broadcast
+        for name in self.FUNCTIONS:
+            if hasattr(dist, name):
+                self._wrap(dist, name, name)
+        ds_comm = sys.modules.get("deepspeed.comm.comm")
+        backend = getattr(ds_comm, "cdb", None)
+        for attr, name in (("reduce_scatter_function", "reduce_scatter_tensor"),
+                           ("all_gather_function", "all_gather_into_tensor")):
+            if getattr(backend, attr, None) is not None:
+                self._wrap(backend, attr, name)
         return self
 
     def __exit__(self, *exc):
-        dist.all_reduce, dist.broadcast = self._saved
+        for owner, attr, real in reversed(self._saved):
+            setattr(owner, attr, real)
+        self._saved = []
         return False
 
 

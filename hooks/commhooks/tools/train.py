@@ -131,7 +131,8 @@ def fill_total_steps(conf, steps: int):
 @torch.no_grad()
 def accuracy(model, x, y) -> float:
     model.eval()
-    acc = (model(x).argmax(1) == y).float().mean().item()
+    dtype = next(model.parameters()).dtype  # DeepSpeed's bf16/fp16 engines hold the model in that precision
+    acc = (model(x.to(dtype)).float().argmax(1) == y).float().mean().item()
     model.train()
     return acc
 
@@ -197,6 +198,7 @@ def build_trainer(args, model, conf):
         state = engine.comm_hook_state
         forward, backward, step = engine, engine.backward, engine.step
         micro, accumulation = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    dtype = next(model.parameters()).dtype  # DeepSpeed bf16/fp16: the engine converted the model
     scheduler = cosine_with_warmup(optimizer, args.lr_warmup, args.steps)
     if isinstance(state, AlgorithmState):
         scheduler = state.wrap_scheduler(scheduler)
@@ -206,7 +208,7 @@ def build_trainer(args, model, conf):
         if args.backend != "deepspeed":
             optimizer.zero_grad(set_to_none=True)
         for x, y in batches:
-            loss = F.cross_entropy(forward(x), y)
+            loss = F.cross_entropy(forward(x.to(dtype)).float(), y)
             backward(loss)
             if args.backend == "deepspeed":
                 step()  # DeepSpeed counts micro-steps; the boundary one updates
@@ -297,8 +299,10 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         "train_loss": round(tail.item(), 4),
         "backend": args.backend,
         "bytes_per_rank": state.meter.bytes() if hasattr(state, "meter") else None,  # commhooks' meter
-        # what reached torch.distributed (all methods alike; DeepSpeed's and Horovod's own collectives not included)
+        # what reached torch.distributed (all methods alike, DeepSpeed's own collectives included; not Horovod's)
         "payload_bytes_per_rank": counter.bytes if args.backend != "horovod" else None,
+        "payload_bytes_by_group": {"-".join(map(str, g)): b for g, b in sorted(counter.by_group.items())}
+        if args.backend != "horovod" else None,
         "wire_bytes_per_rank": None if wire_before is None else {k: wire_after[k] - wire_before[k] for k in wire_before},
         "step_ms": round(1000 * wall / max(1, args.steps - first_step), 3),
         "resumed_from": first_step,
