@@ -7,7 +7,7 @@
 # On CPU (this machine) DeepSpeed's launcher starts NUM_GPUS CPU ranks on gloo.
 # Multi-node: write a hostfile ("node01 slots=4" per line) and add
 #   --hostfile hostfile --num_nodes N   (and drop --num_gpus, or keep it per node)
-# ZeRO must stay at stage 0 with a comm_hook (commhooks refuses >= 1 with a ConfigError).
+# ZeRO 0-2 with bf16/fp16 work (configs/ds_qsr_bf16_zero2.json: 4 ranks in replica pairs); ZeRO-3 is refused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NUM_GPUS=${NUM_GPUS:-2}

@@ -23,6 +23,7 @@ def horovodrun(np, extra, out, hosts=True, timeout=400):
     cmd += [sys.executable, SCRIPT, "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "evicted from cache" not in proc.stdout + proc.stderr  # the collectives' names repeat
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(np)]
 
 
@@ -50,6 +51,9 @@ def check(results):
         assert r["errors"]["ddp"] == r["errors"]["hvd"] and "ab.rank_cutoff must be in (0.0, 1.0)" in r["errors"]["hvd"]
         assert r["plain_is_horovod"]
         check_toy(r["toy"], "hvd", 12)
+        assert "op=" in r["op_sum"] and "use hvd.Average" in r["op_sum"], r["op_sum"]
+        calls, distinct = r["names"]  # names repeat step after step, so Horovod's response cache can hit
+        assert calls > 200 and distinct < calls / 8, r["names"]
 
 
 def check_toy(toy, engine, steps):

@@ -1,4 +1,5 @@
-"""The library installs and works with torch alone: `pip install commhooks` (no extras) in a fresh venv.
+"""The library installs and works with torch alone: `pip install commhooks` (no extras) in a fresh venv,
+and its shipped configs load by name from the installed (non-editable) package.
 
 The trainer's and benchmark's dependencies (matplotlib, mnist1d, tqdm, numpy) belong to the
 ``tools`` extra; the hooks, the three adapters' DDP path and ``commhooks schema`` must not need them.
@@ -34,6 +35,13 @@ for config in ({"type": "qsr", "h_base": 2}, {"type": "ab", "mode": "only-b", "w
 dist.destroy_process_group()
 schema = json.loads(subprocess.run([os.path.join(os.path.dirname(sys.executable), "commhooks"), "schema"],
                                    capture_output=True, text=True, check=True).stdout)
+# shipped configs load by name from the installed package (not from a checkout: cwd is elsewhere)
+from commhooks.config import load_config
+assert not os.path.exists("configs") and load_config("qsr_mnist1d").kind == "qsr"
+assert load_config("ds_qsr_bf16_zero2").group_size == 2
+listing = subprocess.run([os.path.join(os.path.dirname(sys.executable), "commhooks"), "configs"],
+                         capture_output=True, text=True, check=True).stdout
+assert "ds_qsr_bf16_zero2" in listing and os.path.join("share", "commhooks", "configs") in listing, listing
 print("OK", sorted(schema["discriminator"]["mapping"]))
 '''
 
@@ -44,6 +52,7 @@ def test_library_installs_without_tool_dependencies(tmp_path):
     for name in ("setup.cfg", "pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     shutil.copytree(REPO / "hooks", src / "hooks", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    shutil.copytree(REPO / "configs", src / "configs")
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     py = str(env_dir / "bin" / "python")

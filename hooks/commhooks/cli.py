@@ -67,6 +67,27 @@ def schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def configs() -> int:
+    """``commhooks configs``: the shipped configs, by name, with their hook type and where they are."""
+    from . import shipped
+    from .config import read_json
+
+    found = shipped.shipped_configs()
+    if not found:
+        print("no shipped configs found (looked in: " + ", ".join(str(d) for d in shipped.config_dirs()) + ")")
+        return 1
+    width = max(len(n) for n in found)
+    for name, path in found.items():
+        data = read_json(path)
+        section = data.get("comm_hook", data)
+        engine = "deepspeed" if "comm_hook" in data else "ddp/horovod"
+        keys = ", ".join(f"{k}={v}" for k, v in section.items() if k != "type" and v not in (None, [], False))
+        print(f"{name:<{width}}  {section.get('type', '?'):<4} {engine:<11} {keys[:90]}")
+    print(f"\nload one by name: config=\"{next(iter(found))}\" (Python) or --config NAME (commhooks train); "
+          f"folder: {path.parent}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="commhooks", description=(
         "Communication-efficient training hooks for PyTorch DDP, Horovod and DeepSpeed. train and bench need "
@@ -77,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=text, add_help=False)
     tab = sub.add_parser("table", help="markdown table of summaries written by `train --json-out`")
     tab.add_argument("summaries", nargs="+", help="JSON files; the first is the baseline")
+    sub.add_parser("configs", help="list the shipped configs (load one by name: config=\"qsr_mnist1d\")")
     sch = sub.add_parser("schema", help="JSON schema of the comm_hook section (or the README's key tables)")
     sch.add_argument("--markdown", action="store_true", help="the key tables as markdown instead of the JSON schema")
     sch.add_argument("--readme", help="regenerate the key tables between the markers in this file")
@@ -99,6 +121,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "table":
         print(table(args.summaries))
         return 0
+    if args.command == "configs":
+        return configs()
     return schema(args)
 
 

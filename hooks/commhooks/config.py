@@ -61,6 +61,9 @@ class HookConfig(BaseModel):
     timeout_s: Annotated[float, Field(gt=0.0, description=(
         "seconds any collective of the hook may take before it fails with an error naming the collective "
         "and the group"))] = 300.0
+    log_every: Annotated[int, Field(ge=0, description=(
+        "every N optimizer steps, rank 0 logs one line (Python logging, logger \"commhooks\", level INFO): step, "
+        "phase, period, syncs, bytes sent and what plain allreduce would have sent (0 = off)"))] = 0
 
     def __init__(self, **data: Any):
         """Validate ``data``; any failure is a :class:`ConfigError` naming the key, the value and what is allowed."""
@@ -211,8 +214,9 @@ def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any], HookCon
     """Turn any accepted form of hook settings into a validated config object.
 
     Accepted: a config object (returned as is), a dict, a path to a JSON
-    file, or a DeepSpeed config (dict or path) with a top-level ``"comm_hook"``
-    section.  Returns ``None`` for ``{"type": "none"}``.
+    file, the name of a shipped config (``"qsr_mnist1d"``; ``commhooks
+    configs`` lists them), or a DeepSpeed config (dict or path) with a
+    top-level ``"comm_hook"`` section.  Returns ``None`` for ``{"type": "none"}``.
     """
     if source is None:
         return None
@@ -222,6 +226,10 @@ def load_config(source: Union[None, str, os.PathLike, Mapping[str, Any], HookCon
         return source
     where = "config"
     if isinstance(source, (str, os.PathLike)):
+        from . import shipped
+
+        if isinstance(source, str) and shipped.is_bare_name(source):
+            source = shipped.find(source)
         where = Path(source).name
         source = read_json(source)
     if isinstance(source, Mapping) and "comm_hook" in source:

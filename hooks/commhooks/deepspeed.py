@@ -53,6 +53,7 @@ per-rank tensor to average between syncs without a full gather.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
@@ -68,10 +69,45 @@ def read_ds_config(config) -> dict:
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
+        from . import shipped
+
+        if isinstance(config, str) and shipped.is_bare_name(config):
+            config = shipped.find(config)  # a shipped DeepSpeed config by name, e.g. "ds_qsr_bf16_zero2"
         return read_json(config, "DeepSpeed config")
     if isinstance(config, Mapping):
         return dict(config)
     raise ConfigError(f"DeepSpeed config must be a dict or a JSON path, got {type(config).__name__}")
+
+
+log = logging.getLogger("commhooks")
+
+# DeepSpeed's warm-up schedulers: where their warm-up and total lengths are, and the warm-up default
+_SCHEDULERS = {"WarmupLR": ("warmup_num_steps", None), "WarmupDecayLR": ("warmup_num_steps", "total_num_steps"),
+               "WarmupCosineLR": ("warmup_num_steps", "total_num_steps")}
+
+
+def fill_from_scheduler(conf, ds_config: Mapping[str, Any]) -> dict:
+    """Fill the hook keys that follow the lr schedule (the config class's ``schedule_keys``) from DeepSpeed's
+    ``scheduler`` section when the hook section leaves them unset; returns what was filled."""
+    scheduler = ds_config.get("scheduler") or {}
+    kind, params = scheduler.get("type"), scheduler.get("params") or {}
+    if conf is None or kind not in _SCHEDULERS:
+        return {}
+    warmup_key, total_key = _SCHEDULERS[kind]
+    values = {"warmup": params.get(warmup_key, 1000),  # DeepSpeed's default warm-up length
+              "total": params.get(total_key) if total_key else None}
+    filled = {}
+    for key, what in getattr(type(conf), "schedule_keys", {}).items():
+        if key not in conf.model_fields_set and values.get(what) is not None:
+            setattr(conf, key, int(values[what]))
+            filled[key] = int(values[what])
+    if filled:
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning("commhooks: %s taken from DeepSpeed's scheduler %s (set them in the comm_hook section to "
+                        "override)", ", ".join(f"{conf.kind}.{k}={v}" for k, v in filled.items()), kind)
+    return filled
 
 
 def _precision(ds_config: Mapping[str, Any]) -> str:
@@ -271,6 +307,8 @@ def attach(engine, config=None, process_group=None):
     if conf is None:
         engine.comm_hook_state = None
         return None
+    if config is ds_config.get("comm_hook"):  # the engine's own section: its scheduler says how long things are
+        fill_from_scheduler(conf, ds_config)
     check_supported({"zero_optimization": {"stage": engine.zero_optimization_stage()},
                      "fp16": {"enabled": engine.fp16_enabled()}, "bf16": {"enabled": engine.bfloat16_enabled()}}, conf)
     state_class = registry.for_config(conf).state_class
@@ -315,6 +353,7 @@ def initialize(args=None, model=None, model_parameters=None, config=None, **kwar
     conf = load_config({"comm_hook": hook_section}) if hook_section is not None else None
     if conf is not None:
         check_supported(ds_config, conf)
+        fill_from_scheduler(conf, ds_config)
     if config is None and args is not None and getattr(args, "deepspeed_config", None) is not None:
         config = ds_config  # DeepSpeed would re-read the file; hand it the dict we validated
         args.deepspeed_config = None

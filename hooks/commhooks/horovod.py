@@ -36,7 +36,7 @@ import torch
 
 from . import registry
 from .algorithms.base import engine_facts
-from .config import load_config
+from .config import ConfigError, load_config
 
 
 def process_set_ranks(config, world_size: int, local_world_size: int):
@@ -237,6 +237,32 @@ class _HookedOptimizer:
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
 
+def _accept_horovod_defaults(hvd, kwargs) -> None:
+    """The ``hvd.DistributedOptimizer`` arguments a hook can honour: those at the values that leave the
+    communication to it (Horovod's own defaults, which its examples pass explicitly); any other value is a
+    ConfigError naming the argument and why."""
+    why = {
+        "compression": (lambda v: v is hvd.Compression.none or getattr(v, "__name__", "") == "NoneCompressor",
+                        "the hook decides what is sent (its own low-rank or local-SGD payloads); use "
+                        "hvd.Compression.none"),
+        "op": (lambda v: v == hvd.Average, "the hook averages (a sum or Adasum would change its maths); use hvd.Average"),
+        "gradient_predivide_factor": (lambda v: v == 1.0, "the hook computes the mean itself; use 1.0"),
+        "num_groups": (lambda v: not v, "the hook groups its own tensors; use 0"),
+        "groups": (lambda v: v is None, "the hook groups its own tensors; use None"),
+        "sparse_as_dense": (lambda v: v in (False, True), "a bool"),
+        "process_set": (lambda v: v is hvd.global_process_set or v is None,
+                        "the hook's groups come from its config (commhooks.horovod.init creates their process sets); "
+                        "use the global process set"),
+    }
+    for key, value in kwargs.items():
+        if key not in why:
+            raise TypeError(f"DistributedOptimizer() got an unexpected keyword argument {key!r}")
+        ok, reason = why[key]
+        if not ok(value):
+            raise ConfigError(f"hvd.DistributedOptimizer argument {key}={value!r} cannot be honoured with a comm "
+                              f"hook: {reason}")
+
+
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters=None,
@@ -249,6 +275,9 @@ def DistributedOptimizer(
 
     ``hook``: a config object, dict or JSON path of any registered algorithm.
     ``model`` (optional) lets the algorithm average floating buffers (BatchNorm) at syncs.
+    Horovod's own arguments are accepted at the values that leave the communication to the hook
+    (``compression=hvd.Compression.none``, ``op=hvd.Average``, ... as Horovod's examples pass them);
+    other values raise a ConfigError saying why.
     The algorithm's state is ``optimizer.comm_hook_state`` (meter,
     ``state_dict()``).  Build it on every rank at the same point: an algorithm may create
     its process sets collectively.
@@ -259,8 +288,7 @@ def DistributedOptimizer(
     if conf is None:
         return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters,
                                         backward_passes_per_step=backward_passes_per_step, **horovod_kwargs)
-    if horovod_kwargs:
-        raise TypeError(f"with a hook, these hvd.DistributedOptimizer arguments are not supported: {sorted(horovod_kwargs)}")
+    _accept_horovod_defaults(hvd, horovod_kwargs)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), {
         k: v for k, v in _HookedOptimizer.__dict__.items() if not k.startswith("__") or k == "__doc__"
     })

@@ -53,11 +53,25 @@ def ddp_run(conf, passes):
     return ddp_train(conf, args.steps, batch, passes, mean_over_passes=False)  # Horovod sums the passes
 
 
+NAMES = []  # every Horovod collective's name: stable names let Horovod's response cache hit
+_real_allreduce_async_ = hvd.allreduce_async_
+
+
+def _recording_allreduce_async_(tensor, *a, name=None, **kw):
+    NAMES.append(name)
+    return _real_allreduce_async_(tensor, *a, name=name, **kw)
+
+
+hvd.allreduce_async_ = _recording_allreduce_async_
+
+
 def hvd_run(conf, passes):
     m = mlp()
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    # Horovod's own examples pass compression and op explicitly, at these values
     opt = commhooks.horovod.DistributedOptimizer(torch.optim.SGD(m.parameters(), **SGD), named_parameters=m.named_parameters(),
-                                                 hook=conf, backward_passes_per_step=passes)
+                                                 hook=conf, backward_passes_per_step=passes,
+                                                 compression=hvd.Compression.none, op=hvd.Average)
     assert isinstance(opt, torch.optim.SGD)
     for step in range(args.steps):
         opt.zero_grad()
@@ -86,6 +100,11 @@ for adapter, build in (
     except ConfigError as exc:
         errors[adapter] = str(exc)
 result["errors"] = errors
+try:
+    commhooks.horovod.DistributedOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), hook=VARIANTS["qsr"], op=hvd.Sum)
+except ConfigError as exc:
+    result["op_sum"] = str(exc)
+result["names"] = (len(NAMES), len(set(NAMES)))
 plain = commhooks.horovod.DistributedOptimizer(torch.optim.SGD(mlp().parameters(), lr=0.1), hook=None)
 result["plain_is_horovod"] = hasattr(plain, "_allreduce_grad_async")  # Horovod's own wrapper
 torch.save(result, f"{args.out}/rank{rank}.pt")

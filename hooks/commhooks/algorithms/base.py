@@ -62,6 +62,7 @@ README's "Adding an algorithm".
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from typing import Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -73,6 +74,9 @@ from ..config import ConfigError, HookConfig, from_dict, load_config, to_dict
 from . import alignment
 from .averaging import average_, float_buffers
 from .consistency import guard_gradients, verify_identical, verify_same_everywhere
+
+
+log = logging.getLogger("commhooks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,9 +329,11 @@ class AlgorithmState:
         self.before_step()
 
     def end_step(self) -> None:
-        """After each optimizer step: count it, then :meth:`after_step`."""
+        """After each optimizer step: count it, then :meth:`after_step`; every ``log_every`` steps a log line."""
         self.step += 1
         self.after_step()
+        if self.config.log_every and self.step % self.config.log_every == 0 and self.comm.rank == 0:
+            log.info(self.log_line())
 
     def before_step(self) -> None:
         """Subclass hook: runs before each optimizer step (e.g. choose a period from the lr it will use)."""
@@ -498,14 +504,38 @@ class AlgorithmState:
     def load_algorithm_state_dict(self, state: dict) -> None:
         """Subclass hook: restore what :meth:`algorithm_state_dict` saved."""
 
+    @property
+    def allreduce_bytes_per_step(self) -> int:
+        """What plain data parallelism sends per rank per optimizer step: one fp32 allreduce payload of the
+        model's trainable parameters (the baseline of ``report()["bytes_vs_allreduce"]``)."""
+        params = (p for p in self.module.parameters() if p.requires_grad) if self.module is not None else (
+            p for _, p in self.named_params)
+        return 4 * sum(p.numel() for p in params)
+
     def report(self) -> dict:
-        """What the algorithm did, as a plain dict: steps, syncs, bytes per tag, plus :meth:`algorithm_report`."""
+        """What the algorithm did, as a plain dict for logs and your own logger (W&B, TensorBoard): steps,
+        syncs, bytes sent (total and per tag), what plain allreduce would have sent, plus
+        :meth:`algorithm_report`."""
+        sent, dense = self.meter.bytes(), self.step * self.allreduce_bytes_per_step
         return {"algorithm": self.name, "step": self.step, "syncs": self.syncs, "skipped_steps": self.skipped_steps,
-                "bytes": self.meter.bytes(), "bytes_by_tag": self.meter.by_tag(), **self.algorithm_report()}
+                "bytes": sent, "bytes_by_tag": self.meter.by_tag(), "allreduce_bytes": dense,
+                "bytes_vs_allreduce": round(sent / dense, 4) if dense else None, **self.algorithm_report()}
 
     def algorithm_report(self) -> dict:
         """Subclass hook: the algorithm's own figures for :meth:`report`."""
         return {}
+
+    def status(self) -> str:
+        """Subclass hook: the algorithm's state in a few words, for the ``log_every`` line."""
+        return ""
+
+    def log_line(self) -> str:
+        """The ``log_every`` line: step, the algorithm's :meth:`status`, syncs, bytes against plain allreduce."""
+        sent, dense = self.meter.bytes(), self.step * self.allreduce_bytes_per_step
+        share = f" ({sent / dense:.1%})" if dense else ""
+        status = self.status()
+        return (f"{self.display_name} step {self.step}{' | ' + status if status else ''} | syncs {self.syncs} | "
+                f"sent {sent / 1e6:.2f} MB{share} of plain allreduce's {dense / 1e6:.2f} MB")
 
     def format_report(self) -> str:
         """:meth:`report` as lines for a log."""

@@ -44,7 +44,7 @@ through the :class:`~commhooks.algorithms.base.AlgorithmState` contract.
 from __future__ import annotations
 
 import warnings
-from typing import List, Literal, Optional, Tuple
+from typing import ClassVar, Dict, List, Literal, Optional, Tuple
 
 import torch
 from pydantic import Field
@@ -77,6 +77,7 @@ class QSRConfig(QuadraticRuleFields):
     """
 
     type: Literal["qsr"] = "qsr"
+    schedule_keys: ClassVar[Dict[str, str]] = {"total_steps": "total", "warmup_steps": "warmup"}
     h_base: Annotated[int, Field(ge=1, description=(
         "period at peak lr and the rule's floor (paper: 4 for ViT-B, 2 for ResNet)"))] = 4
     init_h: Annotated[Optional[int], Field(ge=1, description="period while step < warmup_steps (null = h_base)")] = None
@@ -143,6 +144,8 @@ class QSRState(AlgorithmState):
         self.replica_ranks = replicas.contiguous_groups(size, self.comm.size, "qsr.group_size", origin)
         self.since_sync = 0
         self.H: Optional[int] = None  # chosen at the first step of each round
+        self._previous_lr: Optional[float] = None
+        self._warned = set()  # warnings given once: "rising", "unbounded"
         if self.engine.buffers_synced_each_forward and float_buffers(self.module):
             warnings.warn(
                 "the DDP model re-broadcasts buffers from rank 0 on every forward "
@@ -174,8 +177,35 @@ class QSRState(AlgorithmState):
                                    async_op=True, tag="group-grad")
 
     def before_step(self) -> None:
+        lr = self.lr()
+        self._check_lr(lr)
         if self.H is None:  # a round starts: its period from the lr of its first step (agreed inside Join)
-            self.H = self.agree_on_period(qsr_period(self.step, self.lr(), self.config))
+            self.H = self.agree_on_period(qsr_period(self.step, lr, self.config))
+            self._check_period()
+
+    def _check_lr(self, lr: float) -> None:
+        """Warn once if the lr still rises after ``warmup_steps``: the rule would read a warm-up lr as a decayed
+        one and choose a long period."""
+        previous, self._previous_lr = self._previous_lr, lr
+        if (previous is not None and self.step > self.config.warmup_steps and lr > previous * (1 + 1e-6)
+                and "rising" not in self._warned and not self.joined):
+            self._warned.add("rising")
+            warnings.warn(
+                f"QSR: the lr is still rising at optimizer step {self.step} ({previous:.3g} -> {lr:.3g}), after "
+                f"warmup_steps={self.config.warmup_steps}: the rule reads a warm-up lr as a decayed one and chooses "
+                "long periods (few syncs); set warmup_steps to the length of your lr warm-up", stacklevel=4)
+
+    def _check_period(self) -> None:
+        """Warn once if the rule chose a period longer than h_base with no total_steps: training that ends
+        inside it ends with the ranks unsynced."""
+        if (self.config.total_steps is None and self.H is not None and self.H > self.config.h_base
+                and "unbounded" not in self._warned and self.step >= self.config.warmup_steps):
+            self._warned.add("unbounded")
+            warnings.warn(
+                f"QSR chose a period of {self.H} steps at optimizer step {self.step} and total_steps is not set: if "
+                "training ends inside a period, the ranks end unsynced (different models). Set total_steps "
+                "(commhooks train fills it from --steps; under DeepSpeed it comes from the lr scheduler's "
+                "total_num_steps), or call state.sync() after the loop", stacklevel=4)
 
     def after_step(self) -> None:
         if self.H is None:  # a step that bypassed the pre-hook
@@ -224,10 +254,15 @@ class QSRState(AlgorithmState):
         self.since_sync = int(state["since_sync"])
         self.H = None if state["H"] is None else int(state["H"])
 
+    def status(self) -> str:
+        phase = "warm-up" if self.step < self.config.warmup_steps else "rule"
+        return f"{phase} | H {self.H if self.H is not None else '-'} ({self.since_sync} since sync)"
+
     def algorithm_report(self) -> dict:
         gaps = [b - a for a, b in zip([0] + self.sync_steps[:-1], self.sync_steps)]
         return {"H": self.H, "since_sync": self.since_sync,
                 "mean_H": round(sum(gaps) / len(gaps), 2) if gaps else None,
+                "H_range": [min(gaps), max(gaps)] if gaps else None,
                 "sync_fraction": round(self.syncs / self.step, 4) if self.step else None}
 
     def __repr__(self) -> str:

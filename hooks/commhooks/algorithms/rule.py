@@ -17,7 +17,7 @@ QSR (local SGD) and AB x QSR (AB phases sized by the rule) both use
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import ClassVar, Dict, Optional
 
 from pydantic import Field
 from typing_extensions import Annotated
@@ -29,6 +29,10 @@ NEVER = 2**62  # a period that never ends (lr 0 and no total_steps)
 
 class QuadraticRuleFields(HookConfig):
     """The rule's keys, declared once for every algorithm that syncs by it (a config base class)."""
+
+    # keys that follow the lr schedule: an engine that knows the schedule (DeepSpeed's scheduler section)
+    # fills them when the hook section leaves them unset; "total" = steps of the run, "warmup" = lr warm-up
+    schedule_keys: ClassVar[Dict[str, str]] = {"total_steps": "total"}
 
     alpha: Annotated[float, Field(ge=0.0, description=(
         "rule growth: H = max(h_base, floor((alpha/lr)^power)); 0 = constant period h_base. Start from "

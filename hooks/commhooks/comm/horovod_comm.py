@@ -18,9 +18,15 @@ class HorovodComm(Comm):
     ``hvd.init(process_sets=[...])``, see :func:`commhooks.horovod.init`) is
     reused, otherwise one is added dynamically (needs
     ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` or ``hvd.init(process_sets="dynamic")``).
-    One-rank groups need no process set (nothing is sent).  Every call gets a
-    name ``<group>.<tag>.<n>`` from a per-(group, tag) counter, identical on
-    the members of a group, as Horovod's coordinator requires.
+    One-rank groups need no process set (nothing is sent).
+
+    Names: Horovod pairs a call across ranks by its name, and caches the
+    negotiation of a (name, shape, dtype, op) it has seen, so a name that
+    repeats every step skips the coordinator round-trip.  A call is named
+    ``commhooks.<group>.<kind>.<op>.<dtype>.<numel>.<i>``, where ``i`` is the
+    lowest index not in flight for that key: every step's calls get the same
+    names (the cache hits), calls of one shape in flight together differ, and
+    ranks that issue the same calls in the same order (as they must) agree.
     """
 
     def __init__(self):
@@ -29,29 +35,41 @@ class HorovodComm(Comm):
         if not hvd.is_initialized():
             raise RuntimeError("Horovod is not initialised: call hvd.init() (or commhooks.horovod.init(config)) first")
         self.hvd = hvd
-        self._seq = defaultdict(int)
+        self._inflight = defaultdict(set)  # key -> indices of calls not yet waited on
         super().__init__(hvd.rank(), hvd.size())
 
     def _world_handle(self) -> Any:
         return self.hvd.global_process_set
 
-    def _name(self, group: Group, kind: str) -> str:
-        key = (group.name, kind)
-        self._seq[key] += 1
-        return f"commhooks.{group.name}.{kind}.{self._seq[key]}"
+    def _claim(self, group: Group, kind: str, flat: torch.Tensor) -> Tuple[tuple, int, str]:
+        key = (group.name, kind, str(flat.dtype).replace("torch.", ""), flat.numel())
+        taken = self._inflight[key]
+        i = next(j for j in range(len(taken) + 1) if j not in taken)
+        taken.add(i)
+        return key, i, "commhooks." + ".".join(map(str, key)) + f".{i}"
 
     def _allreduce_flat(self, flat: torch.Tensor, op: str, group: Group, async_op: bool):
         hvd = self.hvd
-        handle = hvd.allreduce_async_(flat, name=self._name(group, "allreduce"), op=hvd.Sum if op == "sum" else hvd.Max,
-                                      process_set=group.handle)
-        wait = lambda: hvd.synchronize(handle)  # noqa: E731
+        key, i, name = self._claim(group, f"allreduce-{op}", flat)
+        handle = hvd.allreduce_async_(flat, name=name, op=hvd.Sum if op == "sum" else hvd.Max, process_set=group.handle)
+
+        def wait():
+            try:
+                hvd.synchronize(handle)
+            finally:
+                self._inflight[key].discard(i)
+
         if not async_op:
             wait()
             return (lambda: None), None
         return wait, None
 
     def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
-        self.hvd.broadcast_(flat, root_rank=src, name=self._name(group, "broadcast"), process_set=group.handle)
+        key, i, name = self._claim(group, f"broadcast-{src}", flat)
+        try:
+            self.hvd.broadcast_(flat, root_rank=src, name=name, process_set=group.handle)
+        finally:
+            self._inflight[key].discard(i)
 
     def _make_group(self, ranks: Tuple[int, ...]) -> Any:
         if len(ranks) == 1:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -181,11 +182,27 @@ class ABState(AlgorithmState):
     # ----------------------------------------------------------------- phases
     def _enter(self) -> None:
         """New bases (rank agreed as the MAX over ranks), W = A B, the factors' optimizer state cleared."""
-        keep_residual = self.clock.entries == 0 and not self.config.truncate_first
+        first = self.clock.entries == 0
+        keep_residual = first and not self.config.truncate_first
         self.bases, self.ranks = transitions.enter(self.comm, self.candidates, self.config, keep_residual,
                                               f"before step {self.step}")
+        if first and not self.bases:
+            self._warn_nothing_compressed()
         clear_optimizer_state(self.optimizer, [self._param[n] for n in self.bases])
         self.tensors_changed()
+
+    def _warn_nothing_compressed(self) -> None:
+        """AB's first basis kept every layer dense: AB then runs as local SGD with group averaging."""
+        if not self.candidates:
+            why = "no parameter is a matrix outside full_rank"
+        else:
+            why = (f"at rank_cutoff={self.config.rank_cutoff} no layer's compression reached min_compression_rate="
+                   f"{self.config.min_compression_rate} (the weights' singular values have not fallen yet)")
+        warnings.warn(
+            f"AB: the first basis (step {self.step}) compresses no layer: {why}. AB then sends full-size tensors "
+            "inside its groups (local SGD with group averaging, no compression). Lengthen warmup_steps so the "
+            "spectra fall, raise rank_cutoff, or lower min_compression_rate; state.report()['layers'] shows each "
+            "layer's rank", stacklevel=4)
 
     def sync(self) -> None:
         """Average the groups' models over the world, leave AB, clear optimizer state."""
@@ -241,6 +258,10 @@ class ABState(AlgorithmState):
             "params_factored": stored,
             "compression": round(total / stored, 2) if stored else 1.0,
         }
+
+    def status(self) -> str:
+        compressed = sum(1 for k in self.ranks.values() if k is not None)
+        return f"phase {self.phase} | {compressed}/{len(self.ranks) or len(self.candidates)} layers compressed"
 
     def format_report(self) -> str:
         r = self.report()
