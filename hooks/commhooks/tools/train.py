@@ -11,6 +11,7 @@ as JSON for ``commhooks table``.
 from __future__ import annotations
 
 import argparse
+import logging
 import inspect
 import json
 import math
@@ -72,9 +73,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--wire-iface", default=os.environ.get("COMMHOOKS_WIRE_IFACE"),
                    help="network interface whose tx/rx counters to report (the benchmark's veth)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--log-every", type=int, help="the hook's log_every: one line every N steps on rank 0 (0 = off)")
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1:
         p.error("--steps and --batch-size must be >= 1")
+    if args.log_every is not None and args.log_every < 0:
+        p.error(f"--log-every must be >= 0 (0 = off), got {args.log_every}")
     if args.hook in ANCHORS and args.backend != "ddp":
         p.error(f"--hook {args.hook} is PyTorch's own DDP hook: use --backend ddp")
     return args
@@ -118,13 +122,16 @@ def hook_config(args):
     if conf is None:
         raise cfg.ConfigError(f"--config {args.config} has type 'none': leave out --config or pass --hook none")
     args.hook = conf.kind
-    return fill_total_steps(conf, args.steps)
+    return fill_total_steps(conf, args.steps, args.log_every)
 
 
-def fill_total_steps(conf, steps: int):
-    """A config whose ``total_steps`` key is unset gets the run's length (a rule then never runs past the end)."""
+def fill_total_steps(conf, steps: int, log_every: Optional[int] = None):
+    """A config whose ``total_steps`` key is unset gets the run's length (a rule then never runs past the end);
+    ``--log-every``, when given, sets ``log_every``."""
     if conf is not None and "total_steps" in type(conf).model_fields and conf.total_steps is None:
         conf.total_steps = steps
+    if conf is not None and log_every is not None:
+        conf.log_every = log_every
     return conf
 
 
@@ -160,7 +167,7 @@ def resolve_hook(args):
         if section is not None:
             conf = cfg.load_config({"comm_hook": section})
             args.hook = "none" if conf is None else conf.kind
-            return fill_total_steps(conf, args.steps)
+            return fill_total_steps(conf, args.steps, args.log_every)
     return hook_config(args)
 
 
@@ -333,8 +340,20 @@ def format_summary(s: dict) -> str:
     )
 
 
+def show_hook_log() -> None:
+    """Print the hooks' INFO lines (``log_every``, DeepSpeed's filled-in keys) to stderr, prefixed like ours."""
+    logger = logging.getLogger("commhooks")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[commhooks] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    show_hook_log()
     try:
         run(args)
     except cfg.ConfigError as exc:
