@@ -78,6 +78,10 @@ def ddp_autocast_run(conf):
 
 result = {"kind": hook.kind, "config": to_dict(hook), "runs": {}}
 variants = {"base": hook}
+if hook.kind == "qsr":  # DiLoCo outer step with a compressed payload, through the same contract
+    variants["int8-outer"] = load_config({**to_dict(hook), "outer_lr": 0.7, "outer_momentum": 0.9, "payload": "int8",
+                                          "error_feedback": True})
+    variants["bf16"] = load_config({**to_dict(hook), "payload": "bf16"})
 if hook.kind == "ab":
     variants["only-b"] = load_config({**to_dict(hook), "mode": "only-b"})
     variants["groups-stale"] = load_config({**to_dict(hook), "mode": "groups", "group_size": 1, "sync": "with-stale"})

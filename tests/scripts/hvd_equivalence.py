@@ -33,6 +33,9 @@ AB = {"type": "ab", "warmup_steps": 3, "sync_period": 5, "full_rank_steps": 1, "
       "min_compression_rate": 0.0}
 VARIANTS = {
     "qsr": {"type": "qsr", "h_base": 3, "warmup_steps": 2, "init_h": 1},
+    # DiLoCo outer step with an int8 payload: Horovod carries the packed bytes by allgather
+    "qsr-int8-outer": {"type": "qsr", "h_base": 3, "warmup_steps": 2, "init_h": 1, "outer_lr": 0.7,
+                       "outer_momentum": 0.9, "payload": "int8", "error_feedback": True},
     "ab-only-b": {**AB, "mode": "only-b"},
     "ab-groups": {**AB, "mode": "groups", "group_size": args.group_size},
     "ab-groups-stale": {**AB, "mode": "groups", "group_size": args.group_size, "sync": "with-stale"},

@@ -61,6 +61,7 @@ README's "Adding an algorithm".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import warnings
@@ -363,19 +364,34 @@ class AlgorithmState:
         collective says which step it was and what usually causes it.
         """
         device = next((t.device for t in tensors), torch.device("cpu"))
-        scale = self.scaler.get_scale() if self.scaler is not None else self._last_scale
-        proof = alignment.step_proof(self.step, scale).to(device)
-        try:
+        proof = self.step_proof().to(device)
+        with self.collective_context():
             average_(self.comm, tensors, group=group, tag=tag, rider=proof)
+        self.check_proof(proof, group, tag)
+
+    def step_proof(self) -> torch.Tensor:
+        """This rank's step proof (and GradScaler scale), to ride in a sync's payload."""
+        scale = self.scaler.get_scale() if self.scaler is not None else self._last_scale
+        return alignment.step_proof(self.step, scale)
+
+    def check_proof(self, mean: torch.Tensor, group, tag: str) -> None:
+        """After a sync: the ranks' mean proof shows the same step everywhere (else DivergenceError on every
+        rank); equalize GradScaler scales that parted."""
+        size = self.comm.size if group is None else group.size
+        alignment.check_step_proof(mean, self.step, size, self.comm.rank, f"{self.display_name} {tag} at step {self.step}")
+        if alignment.scales_differ(mean, size):
+            self._equalize_scales(group)
+
+    @contextlib.contextmanager
+    def collective_context(self):
+        """A failed or timed-out sync collective names the step and the usual causes."""
+        try:
+            yield
         except CollectiveError as exc:
             raise CollectiveError(
                 f"{exc} [at optimizer step {self.step}; if a peer has finished its data (uneven inputs), wrap the "
                 "loop in `with torch.distributed.algorithms.join.Join([ddp_model, state]):`; if a peer died or "
                 "is stuck, its own log says why]") from None  # the message already holds the backend's
-        size = self.comm.size if group is None else group.size
-        alignment.check_step_proof(proof, self.step, size, self.comm.rank, f"{self.display_name} {tag} at step {self.step}")
-        if alignment.scales_differ(proof, size):
-            self._equalize_scales(group)
 
     def use_scaler(self, scaler) -> None:
         """Keep ``scaler``'s scale (a ``torch.amp.GradScaler``) equal on every rank: at a sync where the

@@ -54,7 +54,9 @@ from ..registry import register_algorithm
 from .averaging import float_buffers, optimizer_moments
 from ..comm import Group
 from . import replicas
+from ..config import ConfigError
 from .base import AlgorithmState
+from .outer import OuterSync
 from .rule import QuadraticRuleFields, rule_period
 
 
@@ -89,6 +91,24 @@ class QSRConfig(QuadraticRuleFields):
     group_size: Annotated[Optional[int], Field(ge=1, description=(
         "ranks per replica group: gradients are averaged inside a group every step (fast links), parameters "
         "across groups by the rule; 1 = every rank its own replica (plain local SGD); null = ranks per node"))] = 1
+    outer_lr: Annotated[float, Field(gt=0.0, description=(
+        "DiLoCo outer step: weights = anchor - outer_lr * (averaged pseudo-gradient, with momentum); 1 with "
+        "outer_momentum 0 is plain averaging (DiLoCo: 0.7)"))] = 1.0
+    outer_momentum: Annotated[float, Field(ge=0.0, lt=1.0, description=(
+        "momentum of the outer step (DiLoCo: 0.9); 0 = none"))] = 0.0
+    outer_nesterov: bool = Field(True, description="Nesterov momentum in the outer step (DiLoCo's choice)")
+    payload: Literal["fp32", "bf16", "int8"] = Field("fp32", description=(
+        "how the sync sends the pseudo-gradient: fp32 (exact), bf16 (2 bytes/element), int8 (1 byte/element + "
+        "one fp32 scale per payload_block elements); anything but fp32 travels by allgather"))
+    payload_block: Annotated[int, Field(ge=8, description=(
+        "int8: elements per scale (error per element <= absmax of its block / 254)"))] = 256
+    error_feedback: bool = Field(False, description=(
+        "add what the payload codec lost at a sync to the next sync's pseudo-gradient"))
+
+    @property
+    def pseudo_gradient(self) -> bool:
+        """True when a sync is an outer step on the pseudo-gradient (outer optimizer or compressed payload)."""
+        return self.outer_lr != 1.0 or self.outer_momentum != 0.0 or self.payload != "fp32"
 
     @property
     def warmup_h(self) -> int:
@@ -146,6 +166,9 @@ class QSRState(AlgorithmState):
         self.H: Optional[int] = None  # chosen at the first step of each round
         self._previous_lr: Optional[float] = None
         self._warned = set()  # warnings given once: "rising", "unbounded"
+        c = self.config
+        self.outer = OuterSync(c.outer_lr, c.outer_momentum, c.outer_nesterov, c.payload, c.payload_block,
+                               c.error_feedback) if c.pseudo_gradient else None
         if self.engine.buffers_synced_each_forward and float_buffers(self.module):
             warnings.warn(
                 "the DDP model re-broadcasts buffers from rank 0 on every forward "
@@ -177,6 +200,9 @@ class QSRState(AlgorithmState):
                                    async_op=True, tag="group-grad")
 
     def before_step(self) -> None:
+        if self.outer is not None and self.outer.anchor is None:  # first step: every rank's anchor, the mean
+            with self.collective_context():
+                self.outer.take_anchor(self.comm, [p for _, p in self.named_params], group=self.shards)
         lr = self.lr()
         self._check_lr(lr)
         if self.H is None:  # a round starts: its period from the lr of its first step (agreed inside Join)
@@ -234,9 +260,13 @@ class QSRState(AlgorithmState):
         rank holds a different shard: it is averaged with the same shard of the other groups (one payload
         of the shard's size per rank), and the buffers over the world in a second call.
         """
-        self.refresh_parameters()
+        if self.refresh_parameters() and self.outer is not None:
+            raise ConfigError("QSR with outer_lr / outer_momentum / payload: parameters added or unfrozen during "
+                              "training are not supported (the anchor covers the parameters of the first step)")
         named = self.sync_named()
-        if self.shards is None:
+        if self.outer is not None:
+            self._outer_sync(named)
+        elif self.shards is None:
             self.average([t for _, t in named], tag="sync")
         else:
             buffers = {id(b) for b in float_buffers(self.module)}
@@ -247,12 +277,30 @@ class QSRState(AlgorithmState):
         self.H = None
         self.synced(group=self.shards)
 
+    def _outer_sync(self, named) -> None:
+        """The parameters by an outer step on their pseudo-gradient (proof inside the payload); buffers and
+        optimizer moments, if synced, by a plain average over the world."""
+        params = [p for _, p in self.named_params]
+        own = {id(p) for p in params}
+        proof = self.step_proof()
+        with self.collective_context():
+            mean = self.outer.sync(self.comm, params, proof, group=self.shards, tag="sync")
+        self.check_proof(mean, self.shards, "sync")
+        rest = [t for _, t in named if id(t) not in own]
+        if rest:
+            self.average(rest, tag="sync-buffers")
+
     def algorithm_state_dict(self) -> dict:
-        return {"since_sync": self.since_sync, "H": self.H}
+        state = {"since_sync": self.since_sync, "H": self.H}
+        if self.outer is not None:
+            state["outer"] = self.outer.state_dict()
+        return state
 
     def load_algorithm_state_dict(self, state: dict) -> None:
         self.since_sync = int(state["since_sync"])
         self.H = None if state["H"] is None else int(state["H"])
+        if self.outer is not None:
+            self.outer.load_state_dict(state["outer"])
 
     def status(self) -> str:
         phase = "warm-up" if self.step < self.config.warmup_steps else "rule"

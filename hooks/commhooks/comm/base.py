@@ -180,6 +180,10 @@ class Comm:
     def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
         raise NotImplementedError
 
+    def _allgather_flat(self, flat: torch.Tensor, group: Group) -> torch.Tensor:
+        """Every member's ``flat`` (same size everywhere), concatenated in group-rank order."""
+        raise NotImplementedError
+
     def _make_group(self, ranks: Tuple[int, ...]) -> Any:
         raise NotImplementedError
 
@@ -282,6 +286,26 @@ class Comm:
             raise CollectiveError(f"{self._describe('broadcast', group, tag, nbytes)} failed: {exc}") from exc
         unflatten_into(flat, tensors)
         return tensors
+
+    def allgather(self, tensor: torch.Tensor, group: Optional[Group] = None, tag: str = "",
+                  metered: bool = True) -> List[torch.Tensor]:
+        """Every member's ``tensor`` (same shape and dtype everywhere), in group-rank order.
+
+        For payloads a sum would break (int8 codes, packed bytes): each rank receives the others' and
+        reduces them itself.  The meter counts this rank's own contribution, as for an allreduce.
+        """
+        group = group or self.world
+        if group.size == 1:
+            return [tensor]
+        flat = tensor.reshape(-1).contiguous()
+        nbytes = flat.numel() * flat.element_size()
+        if metered:
+            self.meter.record(group.name, "allgather", nbytes, tag)
+        try:
+            out = self._allgather_flat(flat, group)
+        except Exception as exc:
+            raise CollectiveError(f"{self._describe('allgather', group, tag, nbytes)} failed: {exc}") from exc
+        return [chunk.view_as(tensor) for chunk in out.chunk(group.size)]
 
     def notify_join(self, joinable) -> None:
         """Tell a ``torch.distributed`` Join context that this rank still trains (no-op for other backends)."""

@@ -71,6 +71,13 @@ class HorovodComm(Comm):
         finally:
             self._inflight[key].discard(i)
 
+    def _allgather_flat(self, flat: torch.Tensor, group: Group) -> torch.Tensor:
+        key, i, name = self._claim(group, "allgather", flat)
+        try:  # Horovod's allgather carries any dtype, int8 and raw bytes included (its allreduce refuses those)
+            return self.hvd.allgather(flat, name=name, process_set=group.handle)
+        finally:
+            self._inflight[key].discard(i)
+
     def _make_group(self, ranks: Tuple[int, ...]) -> Any:
         if len(ranks) == 1:
             return None  # one-rank groups never communicate

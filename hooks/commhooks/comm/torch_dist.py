@@ -51,6 +51,11 @@ class TorchComm(Comm):
     def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
         self._wait(dist.broadcast(flat, src=self._global_ranks[src], group=group.handle, async_op=True))
 
+    def _allgather_flat(self, flat: torch.Tensor, group: Group) -> torch.Tensor:
+        out = flat.new_empty(flat.numel() * group.size)
+        self._wait(dist.all_gather_into_tensor(out, flat, group=group.handle, async_op=True))
+        return out
+
     def notify_join(self, joinable) -> None:
         """``Join.notify_join_context``: an allreduce only if ``joinable`` is the first in the Join context."""
         from torch.distributed.algorithms.join import Join
