@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import json
 import math
 import warnings
 
@@ -162,3 +163,22 @@ def test_train_under_deepspeed_launcher(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "[commhooks] ab: test_acc=" in proc.stdout and "AB report: step 230" in proc.stdout
+
+
+def test_shipped_bf16_zero2_config_under_the_launcher_script(tmp_path):
+    """launchers/deepspeed.sh runs configs/ds_qsr_bf16_zero2.json unchanged: 4 ranks, pairs, bf16, ZeRO 2."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "MASTER_"))}
+    env.update(NUM_GPUS="4", DS_CONFIG="configs/ds_qsr_bf16_zero2.json", MASTER_PORT=str(29800 + os.getpid() % 90))
+    out = tmp_path / "summary.json"
+    proc = subprocess.run([str(REPO / "launchers" / "deepspeed.sh"), "--steps", "80", "--no-progress", "--log-every", "40",
+                           "--json-out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads(out.read_text())
+    assert summary["ranks"] == 4 and summary["report"]["step"] == 80 and summary["syncs"] >= 5
+    by_group, syncs = summary["payload_bytes_by_group"], summary["syncs"]
+    # rank 0: ZeRO inside the pair {0,1} every step; its partition with rank 2 at the syncs (the meter's bytes,
+    # plus a 32-byte checksum comparison every 10th sync); 8 bytes of period agreement per round over all 4
+    assert set(by_group) == {"0-1", "0-2", "0-1-2-3"}
+    assert by_group["0-2"] == summary["bytes_per_rank"] + 32 * (syncs // 10)
+    assert by_group["0-1-2-3"] == 8 * syncs
+    assert "[commhooks] QSR step 40 | " in proc.stderr + proc.stdout

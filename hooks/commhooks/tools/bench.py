@@ -46,6 +46,9 @@ METHODS: Dict[str, List[str]] = {
     "ab-groups-short": ["--config", "configs/ab_short_mnist1d.json"],  # warm-up 100, F 5
     "ab-only-b": ["--config", "configs/ab_onlyb_mnist1d.json"],
     "ab-x-qsr": ["--config", "configs/abqsr_mnist1d.json"],
+    "qsr-int8": ["--config", "configs/qsr_int8_mnist1d.json"],  # int8 pseudo-gradient + error feedback
+    "diloco-h20": ["--config", "configs/diloco_mnist1d.json"],  # DiLoCo's anchor: fixed period, Nesterov outer step
+    "qsr-diloco-int8": ["--config", "configs/qsr_diloco_int8_mnist1d.json"],  # QSR periods, outer step, int8
     "compute-only": ["--hook", "compute-only"],
 }
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
