@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the commhooks[tools] extra; table and schema run with the library alone."))
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
     for name, text in (("train", "train with a hook (under a launcher); `commhooks train -h` for its options"),
-                       ("bench", "run every method side by side; `commhooks bench -h` for its options")):
+                       ("bench", "run every method side by side; `commhooks bench -h` for its options"),
+                       ("plan", "predict bytes and step time on a larger cluster; `commhooks plan -h`")):
         sub.add_parser(name, help=text, add_help=False)
     tab = sub.add_parser("table", help="markdown table of summaries written by `train --json-out`")
     tab.add_argument("summaries", nargs="+", help="JSON files; the first is the baseline")
@@ -117,6 +118,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .tools.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["plan"]:
+        from .tools.plan import main as plan_main
+
+        return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "table":
         print(table(args.summaries))

@@ -76,6 +76,12 @@ class QSRConfig(QuadraticRuleFields):
     sqrt(h_base)`` and raise it to thin communication further.
     ``warmup_steps`` must cover the lr warm-up (a tiny warm-up lr would
     otherwise give a huge H).  ``alpha = 0`` gives constant ``H = h_base``.
+
+    A sync can be a DiLoCo outer step on the pseudo-gradient (``outer_lr``,
+    ``outer_momentum``) sent in fp32, bf16 or int8 (``payload``, with
+    ``error_feedback``); see :mod:`commhooks.algorithms.outer` and
+    :mod:`commhooks.algorithms.payload`.  On MNIST-1D the combination QSR
+    periods + outer lr 0.7 / Nesterov 0.9 + int8 sends 1.3 % of DDP's bytes.
     """
 
     type: Literal["qsr"] = "qsr"
@@ -203,6 +209,7 @@ class QSRState(AlgorithmState):
         if self.outer is not None and self.outer.anchor is None:  # first step: every rank's anchor, the mean
             with self.collective_context():
                 self.outer.take_anchor(self.comm, [p for _, p in self.named_params], group=self.shards)
+            self.tensors_changed()
         lr = self.lr()
         self._check_lr(lr)
         if self.H is None:  # a round starts: its period from the lr of its first step (agreed inside Join)

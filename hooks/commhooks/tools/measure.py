@@ -21,8 +21,9 @@ import torch.distributed as dist
 class PayloadCounter:
     """Counts payload bytes and calls of torch.distributed's collectives while active, in total and by group.
 
-    Bytes per call: the tensor of an all-reduce or reduce; of a broadcast at its source only; the input of
-    a reduce-scatter and the output of an all-gather (the data the collective covers).  DeepSpeed binds
+    Bytes per call: what this rank hands to the collective, its contribution: the tensor of an all-reduce
+    or reduce, the input of a reduce-scatter, the local part of an all-gather (as commhooks' meter counts
+    it), a broadcast at its source only.  DeepSpeed binds
     its reduce-scatter and all-gather functions when it starts; those bound copies are wrapped too, so
     ZeRO's traffic counts like everyone else's.  ``by_group`` maps the ranks of each group (a tuple) to
     its bytes; ``log`` (with ``log_calls=True``) keeps ``(ranks, bytes)`` per call.
@@ -47,7 +48,9 @@ class PayloadCounter:
         if name in ("reduce_scatter_tensor", "_reduce_scatter_base"):
             t = kwargs.get("input", args[1] if len(args) > 1 else None)
         elif name in ("all_gather_into_tensor", "_all_gather_base"):
-            t = kwargs.get("output_tensor", args[0] if args else None)
+            t = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+        elif name == "all_gather":
+            t = kwargs.get("tensor", args[1] if len(args) > 1 else None)
         else:
             t = kwargs.get("tensor", args[0] if args else None)
         size = (sum(x.numel() * x.element_size() for x in t) if isinstance(t, (list, tuple))
