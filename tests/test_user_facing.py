@@ -157,6 +157,10 @@ for hook, expect in (({"type": "qsr", "h_base": 4, "alpha": 0.01}, (100, 900)),
     engine, *_ = A.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.01), config={**base, "comm_hook": hook})
     c = engine.comm_hook_state.config
     assert (c.warmup_steps, c.total_steps) == expect, (c.warmup_steps, c.total_steps)
+# a shipped DeepSpeed config by name, as the README shows
+m = torch.nn.Linear(4, 2)
+engine, *_ = A.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.01), config="ds_qsr_mnist1d")
+assert engine.comm_hook_state.config.h_base == 4 and engine.train_micro_batch_size_per_gpu() == 32
 print("FILLED", lines)
 '''
 
@@ -171,3 +175,24 @@ def test_deepspeed_scheduler_fills_warmup_and_total_steps(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "qsr.total_steps=900, qsr.warmup_steps=100 taken from DeepSpeed's scheduler WarmupDecayLR" in proc.stdout
     assert "qsr.total_steps=900 taken" in proc.stdout  # the section's own warmup_steps=7 is kept, and not mentioned
+
+
+def test_scheduler_fill_in_also_replaces_an_explicit_null():
+    from commhooks.deepspeed import fill_from_scheduler
+
+    conf = load_config({"type": "qsr", "warmup_steps": 50, "total_steps": None})  # as the shipped configs write it
+    filled = fill_from_scheduler(conf, {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 700}}})
+    assert filled == {"total_steps": 700} and conf.warmup_steps == 50
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer.device='cpu'"),
+    ({"zero_optimization": {"stage": 1}, "comm_hook": {"type": "ab"}}, "needs zero_optimization.stage 0, got 1"),
+    ({"fp16": {"enabled": True}, "comm_hook": {"type": "ab"}}, "does not support DeepSpeed's fp16"),
+])
+def test_deepspeed_settings_a_hook_cannot_honour_are_refused(section, message):
+    from commhooks.deepspeed import check_supported
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        check_supported({"comm_hook": {"type": "qsr"}, **section})

@@ -98,7 +98,8 @@ def fill_from_scheduler(conf, ds_config: Mapping[str, Any]) -> dict:
               "total": params.get(total_key) if total_key else None}
     filled = {}
     for key, what in getattr(type(conf), "schedule_keys", {}).items():
-        if key not in conf.model_fields_set and values.get(what) is not None:
+        unset = key not in conf.model_fields_set or getattr(conf, key) is None  # absent, or written as null
+        if unset and values.get(what) is not None:
             setattr(conf, key, int(values[what]))
             filled[key] = int(values[what])
     if filled:
@@ -133,6 +134,19 @@ def check_supported(ds_config: Mapping[str, Any], conf=None) -> None:
             "themselves and gathers them layer by layer inside forward and backward, so there is no per-rank "
             "model to average between syncs; use stage 2 (optimizer state and gradients sharded inside the "
             "replica group) with a comm_hook")
+    if ds_config.get("managed_gradient_accumulation", True) is False:
+        raise ConfigError(
+            "comm_hook needs DeepSpeed to manage gradient accumulation (managed_gradient_accumulation: true, "
+            "its default): with it off, engine.step() cannot tell the accumulation boundary, where the hook counts "
+            "optimizer steps")
+    zero = ds_config.get("zero_optimization") or {}
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in (None, "none"):
+            raise ConfigError(
+                f"comm_hook with zero_optimization.{key}.device={device!r} is not supported yet: the fp32 masters a "
+                "sync averages would live off the accelerator, outside the process group's device; drop the "
+                "offload (or use the hook without it)")
     if registry.for_config(conf).state_class.engine_data_parallel:
         return  # replica groups: DeepSpeed's own data parallelism inside, any precision, ZeRO 0-2
     if stage:
@@ -234,6 +248,18 @@ def _masters(engine) -> Tuple[List[Tuple[str, torch.Tensor]], Optional[List[torc
                 lo.copy_(hi)
 
         return named, lows, refresh
+    if hasattr(wrapper, "fp32_groups_flat") and hasattr(wrapper, "fp16_groups"):  # fused fp16 (GPU FusedAdam)
+        named = [(f"flat.group{i}", p) for i, p in enumerate(wrapper.fp32_groups_flat)]
+
+        @torch.no_grad()
+        def refresh_flat():  # what FP16_Optimizer.step does after its update (not exercised on CPU: no FusedAdam)
+            for hi, lows in zip(wrapper.fp32_groups_flat, wrapper.fp16_groups):
+                offset = 0
+                for lo in lows:
+                    lo.data.copy_(hi[offset: offset + lo.numel()].view_as(lo))
+                    offset += lo.numel()
+
+        return named, None, refresh_flat
     if hasattr(wrapper, "update_lp_params"):  # ZeRO 1/2, BF16_Optimizer: flat partitions
         named = [(f"partition.group{i}.{j}", p) for i, g in enumerate(inner.param_groups) for j, p in enumerate(g["params"])]
         return named, None, wrapper.update_lp_params
@@ -317,7 +343,13 @@ def attach(engine, config=None, process_group=None):
 
     world = dist.get_world_size()
     groups = state_class.data_parallel_groups(conf, world, facts.local_world_size)
-    replica_parallel = groups is not None and engine.dp_world_size == len(groups[0])
+    if getattr(engine, "comm_hook_state", None) is not None:
+        raise ConfigError("this engine already has a comm hook (engine.comm_hook_state); build a new engine to change it")
+    mine = next((g for g in groups if dist.get_rank() in g), ()) if groups is not None else ()
+    dp_group = getattr(engine, "seq_data_parallel_group", None) or getattr(engine, "data_parallel_group", None)
+    dp_ranks = tuple(dist.get_process_group_ranks(dp_group)) if dp_group is not None else ()
+    replica_parallel = groups is not None and engine.dp_world_size == len(mine) and (
+        not dp_ranks or tuple(sorted(dp_ranks)) == tuple(mine))
     if groups is not None and not replica_parallel and (engine.zero_optimization_stage() or engine.optimizer is not engine.basic_optimizer):
         # (fp32 at ZeRO 0 without the groups' mpu still works: the hook then reduces inside the groups itself)
         raise ConfigError(
@@ -357,6 +389,8 @@ def initialize(args=None, model=None, model_parameters=None, config=None, **kwar
     if config is None and args is not None and getattr(args, "deepspeed_config", None) is not None:
         config = ds_config  # DeepSpeed would re-read the file; hand it the dict we validated
         args.deepspeed_config = None
+    elif isinstance(config, (str, os.PathLike)):
+        config = ds_config  # a path or a shipped name: DeepSpeed gets the dict we read and validated
     if conf is not None:
         if not dist.is_initialized():
             deepspeed.init_distributed()
@@ -400,6 +434,10 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, **kwargs):
     where = _replica_dir(engine, save_dir)
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     out = engine.save_checkpoint(where, tag=tag, client_state=client_state or {}, **kwargs)
+    if kwargs.get("save_latest", True) and dist.get_rank() != 0 and where != str(save_dir) and (
+            dist.get_rank() % engine.dp_world_size == 0):  # DeepSpeed writes 'latest' on global rank 0 only
+        with open(os.path.join(where, "latest"), "w") as fd:
+            fd.write(str(tag))
     state = getattr(engine, "comm_hook_state", None)
     if state is not None:
         os.makedirs(os.path.join(where, str(tag)), exist_ok=True)
@@ -417,6 +455,14 @@ def load_checkpoint(engine, load_dir, tag=None, **kwargs):
 
     where = _replica_dir(engine, load_dir)
     path, client_state = engine.load_checkpoint(where, tag=tag, **kwargs)
+    device = next(engine.module.parameters()).device  # the process group's device (NCCL: the GPU)
+    loaded = torch.tensor([0.0 if path is None else 1.0, 1.0 if path is None else 0.0], device=device)
+    dist.all_reduce(loaded)  # how many ranks loaded, how many found nothing: all or none, or an error everywhere
+    if loaded[0] and loaded[1]:
+        raise CheckpointError(
+            f"{int(loaded[1])} rank(s) found no checkpoint under {load_dir} (this rank looked in {where}, tag "
+            f"{tag!r}) while {int(loaded[0])} loaded one: every replica group needs its own folder, as "
+            "commhooks.deepspeed.save_checkpoint writes them")
     state = getattr(engine, "comm_hook_state", None)
     if state is not None and path is not None:
         hook_file = os.path.join(os.path.dirname(path) if os.path.isfile(path) else path,

@@ -78,9 +78,10 @@ def run(precision, stage, steps, hook, overflow_at=None, scheduler=None, resume_
     out = {"all_equal": [], "pair_equal": [], "losses": [], "lr": [], "calls": []}
     for step in range(steps):
         if resume_at is not None and step == resume_at:
-            ds_adapter.save_checkpoint(engine, ckpt, tag="mid")
+            ds_adapter.save_checkpoint(engine, ckpt)  # no tag: each replica group's folder gets its 'latest'
             m, engine = build()
-            ds_adapter.load_checkpoint(engine, ckpt, tag="mid")
+            path, _ = ds_adapter.load_checkpoint(engine, ckpt)
+            assert path is not None and engine.comm_hook_state.step == resume_at
         x, y = batch(step)
         out["lr"].append(float(engine.get_lr()[0]))
         with PayloadCounter(log_calls=True) as seen:

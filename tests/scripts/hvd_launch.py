@@ -9,6 +9,8 @@ parameters to DIR/rank<r>.pt, so a test can compare launchers.
 """
 
 import argparse
+import sys
+import time
 import json
 
 import torch
@@ -27,7 +29,12 @@ RUNS = {
     "ab": {"type": "ab", "warmup_steps": 3, "sync_period": 6, "full_rank_steps": 1, "rank_cutoff": 0.4,
            "min_compression_rate": 0.0, "group_size": 1, "check_every": 1},
 }
-hvd = commhooks.horovod.init(RUNS["ab"])
+try:
+    hvd = commhooks.horovod.init(RUNS["ab"])
+except commhooks.launch.LaunchError as exc:  # as the trainer does: every rank says it before the launcher kills the job
+    print(f"LaunchError: {exc}", file=sys.stderr, flush=True)
+    time.sleep(3)
+    sys.exit(1)
 rank = hvd.rank()
 result, params = {"rank": rank, "size": hvd.size(), "runs": {}}, {}
 # AMP as Horovod documents it (synchronize, then scaler.step under skip_synchronize), one rank overflowing

@@ -68,6 +68,7 @@ class OuterSync:
              tag: str = "sync") -> torch.Tensor:
         """One outer step; ``tensors`` become the new anchor.  Returns the mean of the ranks' proofs."""
         local = self._flat(tensors)
+        self._to(local.device)
         delta = self.anchor - local
         if self.error_feedback and self.residual is not None:
             delta += self.residual
@@ -90,8 +91,18 @@ class OuterSync:
     def _write(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
         unflatten_into(flat, [t.data for t in tensors])  # copy_ casts to each tensor's dtype
 
+    def _to(self, device) -> None:
+        """After a load onto the CPU: the state goes where the parameters are."""
+        for key in ("anchor", "buffer", "residual"):
+            value = getattr(self, key)
+            if value is not None and value.device != device:
+                setattr(self, key, value.to(device))
+
     def state_dict(self) -> dict:
-        return {"anchor": self.anchor, "buffer": self.buffer, "residual": self.residual}
+        """Copies: the live tensors change in place at the next sync."""
+        return {k: None if v is None else v.clone() for k, v in
+                (("anchor", self.anchor), ("buffer", self.buffer), ("residual", self.residual))}
 
     def load_state_dict(self, state: dict) -> None:
-        self.anchor, self.buffer, self.residual = state["anchor"], state["buffer"], state["residual"]
+        self.anchor, self.buffer, self.residual = (None if state[k] is None else state[k].clone()
+                                                   for k in ("anchor", "buffer", "residual"))

@@ -220,7 +220,8 @@ class QSRState(AlgorithmState):
         """Warn once if the lr still rises after ``warmup_steps``: the rule would read a warm-up lr as a decayed
         one and choose a long period."""
         previous, self._previous_lr = self._previous_lr, lr
-        if (previous is not None and self.step > self.config.warmup_steps and lr > previous * (1 + 1e-6)
+        stepped = self.step - self.skipped_steps  # an engine may hold the lr back on skipped steps
+        if (previous is not None and stepped > self.config.warmup_steps and lr > previous * (1 + 1e-6)
                 and "rising" not in self._warned and not self.joined):
             self._warned.add("rising")
             warnings.warn(
@@ -293,9 +294,13 @@ class QSRState(AlgorithmState):
         with self.collective_context():
             mean = self.outer.sync(self.comm, params, proof, group=self.shards, tag="sync")
         self.check_proof(mean, self.shards, "sync")
+        buffers = {id(b) for b in float_buffers(self.module)}
         rest = [t for _, t in named if id(t) not in own]
-        if rest:
-            self.average(rest, tag="sync-buffers")
+        if any(id(t) in buffers for t in rest):  # buffers differ inside a replica group: the world mean
+            self.average([t for t in rest if id(t) in buffers], tag="sync-buffers")
+        moments = [t for t in rest if id(t) not in buffers]
+        if moments:  # optimizer moments belong to this rank's shard, like the parameters
+            self.average(moments, group=self.shards, tag="sync-moments")
 
     def algorithm_state_dict(self) -> dict:
         state = {"since_sync": self.since_sync, "H": self.H}

@@ -51,7 +51,12 @@ class HorovodComm(Comm):
     def _allreduce_flat(self, flat: torch.Tensor, op: str, group: Group, async_op: bool):
         hvd = self.hvd
         key, i, name = self._claim(group, f"allreduce-{op}", flat)
-        handle = hvd.allreduce_async_(flat, name=name, op=hvd.Sum if op == "sum" else hvd.Max, process_set=group.handle)
+        try:
+            handle = hvd.allreduce_async_(flat, name=name, op=hvd.Sum if op == "sum" else hvd.Max,
+                                          process_set=group.handle)
+        except Exception:
+            self._inflight[key].discard(i)
+            raise
 
         def wait():
             try:

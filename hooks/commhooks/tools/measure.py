@@ -51,6 +51,10 @@ class PayloadCounter:
             t = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
         elif name == "all_gather":
             t = kwargs.get("tensor", args[1] if len(args) > 1 else None)
+        elif name == "reduce_scatter":
+            t = kwargs.get("input_list", args[1] if len(args) > 1 else None)
+        elif name == "all_to_all_single":
+            t = kwargs.get("input", args[1] if len(args) > 1 else None)
         else:
             t = kwargs.get("tensor", args[0] if args else None)
         size = (sum(x.numel() * x.element_size() for x in t) if isinstance(t, (list, tuple))

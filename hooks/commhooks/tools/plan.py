@@ -6,7 +6,7 @@ recorded benchmark); time from a latency-bandwidth model of the collectives:
 
 * allreduce of ``B`` bytes over ``n`` nodes of ``g`` ranks (hierarchical, the
   node's link shared by its ranks):
-  ``2 (g-1)/g * B / intra + 2 (n-1)/n * B / inter + calls * latency``;
+  ``2 (g-1)/g * B / intra + 2 (n-1)/n * B / inter + calls * (2 (g-1) + 2 (n-1)) * latency``;
 * allgather of ``B`` bytes per rank (compressed payloads):
   ``(g-1) B / intra + (n-1) g B / inter + calls * latency``;
 * replica groups (QSR ``group_size`` = ranks per node, DeepSpeed's ZeRO inside):
@@ -253,7 +253,7 @@ def comm_ms(t: Traffic, layout: Layout) -> float:
         seconds += 2 * (g - 1) / g * t.allreduce_intra / intra
     if t.allgather:
         seconds += (n - 1) * g * t.allgather / inter + (g - 1) * t.allgather / intra
-    seconds += t.calls * layout.latency_us * 1e-6 * (2 * (layout.world - 1) if layout.world > 1 else 0)
+    seconds += t.calls * layout.latency_us * 1e-6 * (2 * (g - 1) + 2 * (n - 1))  # hierarchical: ring steps
     return 1000 * seconds
 
 
@@ -365,5 +365,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           "(predictions, not measurements)")
     print("| method | bytes/rank/step | predicted ms/step | vs DDP |\n|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['bytes_per_step'] / 1e6:.3f} MB | {r['step_ms']:.1f} | {r['speedup_vs_ddp']:.2f}x |")
+        speedup = "—" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.2f}x"
+        print(f"| {r['method']} | {r['bytes_per_step'] / 1e6:.3f} MB | {r['step_ms']:.1f} | {speedup} |")
     return 0
