@@ -61,6 +61,26 @@ def test_network_namespaces_and_tc(tmp_path):
     assert "-hub" not in leftover, f"namespaces left behind: {leftover}"
 
 
+def test_nodes_share_one_link(tmp_path):
+    """--nodes 2 with 4 ranks: the two ranks of a node share one namespace and one veth (they read the same
+    counter), and their traffic to each other stays off it."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (CI runs as root)")
+    results, _, _ = bench(["--methods", "ddp,compute-only", "--ranks", "4", "--nodes", "2", "--steps", "20",
+                             "--bandwidths", "unlimited", "--netns", "on"], tmp_path, timeout=600)
+    assert results["setup"]["nodes"] == 2 and "2 nodes of 2 ranks" in results["setup"]["network"]
+    per_rank = [json.loads((tmp_path / f"ddp.rank{r}.json").read_text()) for r in range(4)]
+    tx = [r["wire_bytes_per_rank"]["tx"] for r in per_rank]
+    # ranks 0 and 1 read node 0's veth, ranks 2 and 3 node 1's: one counter each, read over the same run
+    assert abs(tx[0] - tx[1]) < 0.1 * tx[0] and abs(tx[2] - tx[3]) < 0.1 * tx[2], tx
+    ddp = results["methods"]["ddp"]
+    assert ddp["wire_tx_bytes_per_node"] == pytest.approx(sum(tx) / 4)
+    # a node's link carries its share of the 4-rank allreduce, not the intra-node part: less than two ranks'
+    # full payload, more than nothing
+    assert 0.3 * ddp["payload_bytes_per_rank"] < ddp["wire_tx_bytes_per_node"] < 2 * ddp["payload_bytes_per_rank"]
+    assert results["methods"]["compute-only"]["wire_tx_bytes_per_node"] < 0.05 * ddp["wire_tx_bytes_per_node"]
+
+
 # --------------------------------------------------------------------------
 # the benchmark leaves nothing behind (root: CI runs as root)
 # --------------------------------------------------------------------------

@@ -97,25 +97,36 @@ def remove_stale_lab() -> List[str]:
 
 
 class NetnsLab:
-    """N rank namespaces with a veth each to a bridge in a hub namespace; 10.77.0.(r+1)/24 inside only.
+    """N *node* namespaces with a veth each to a bridge in a hub namespace; 10.77.0.(k+1)/24 inside only.
 
+    The ranks of a node run in its namespace, so they reach each other over that namespace's own addresses
+    (the kernel delivers those locally: fast, unlimited) and share its one veth to the bridge (rate-limited
+    by tc): a node's ranks share its link, as on a cluster.  ``nodes`` defaults to one rank per node.
     Names carry the benchmark's pid, so a later run can tell a dead run's leftovers from a live run's.
     """
 
-    def __init__(self, ranks: int, prefix: Optional[str] = None):
+    def __init__(self, ranks: int, prefix: Optional[str] = None, nodes: Optional[int] = None):
         self.ranks = ranks
+        self.nodes = nodes or ranks
+        if self.ranks % self.nodes:
+            raise LabError(f"--nodes {self.nodes} must divide --ranks {self.ranks}")
+        self.per_node = self.ranks // self.nodes
         self.prefix = prefix or f"{PREFIX}{os.getpid()}"
         self.hub = f"{self.prefix}-hub"
         self.made: List[str] = []
 
+    def node(self, r: int) -> int:
+        """The node of rank ``r`` (contiguous blocks, as launchers place ranks)."""
+        return r // self.per_node
+
     def ns(self, r: int) -> str:
-        return f"{self.prefix}-r{r}"
+        return f"{self.prefix}-r{self.node(r) * self.per_node}" if self.per_node > 1 else f"{self.prefix}-r{r}"
 
     def iface(self, r: int) -> str:
-        return f"veth{r}"
+        return f"veth{self.node(r)}"
 
     def addr(self, r: int) -> str:
-        return f"10.77.0.{r + 1}"
+        return f"10.77.0.{self.node(r) + 1}"
 
     def __enter__(self):
         try:
@@ -125,8 +136,8 @@ class NetnsLab:
             self.made.append(self.hub)
             _sh("ip", "netns", "exec", self.hub, "ip", "link", "add", "br0", "type", "bridge")
             _sh("ip", "netns", "exec", self.hub, "ip", "link", "set", "br0", "up")
-            for r in range(self.ranks):
-                ns, peer = self.ns(r), f"{self.prefix}h{r}"
+            for r in range(0, self.ranks, self.per_node):  # the first rank of each node names it
+                ns, peer = self.ns(r), f"{self.prefix}h{self.node(r)}"
                 _sh("ip", "netns", "add", ns)
                 self.made.append(ns)
                 _sh("ip", "link", "add", self.iface(r) + self.prefix, "type", "veth", "peer", "name", peer)
@@ -157,7 +168,7 @@ class NetnsLab:
         kernel)"`` or ``"none"`` for ``unlimited``.
         """
         applied = "none"
-        for r in range(self.ranks):
+        for r in range(0, self.ranks, self.per_node):  # one link per node
             inside = ("ip", "netns", "exec", self.ns(r), "tc")
             subprocess.run([*inside, "qdisc", "del", "dev", self.iface(r), "root"], capture_output=True)
             if bandwidth == "unlimited":
@@ -192,8 +203,8 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
             env.pop(k, None)
         cmd = [sys.executable, "-m", "commhooks.tools.bench", "--worker", str(spec_file)]
         if lab:
-            env.update(MASTER_ADDR=lab.addr(0), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GLOO_SOCKET_IFNAME=lab.iface(r),
-                       COMMHOOKS_WIRE_IFACE=lab.iface(r))
+            env.update(MASTER_ADDR=lab.addr(0), LOCAL_RANK=str(r % lab.per_node), LOCAL_WORLD_SIZE=str(lab.per_node),
+                       GLOO_SOCKET_IFNAME=lab.iface(r), COMMHOOKS_WIRE_IFACE=lab.iface(r))
             cmd = ["ip", "netns", "exec", lab.ns(r), *cmd]
         else:
             env.update(MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(args.ranks))
@@ -260,16 +271,21 @@ def mean(values):
     return sum(values) / len(values) if values else None
 
 
-def summarize(runs: Dict[str, List[dict]]) -> dict:
-    """One method's row: accuracy and bytes from the first link setting, the slowest rank's time at each."""
+def summarize(runs: Dict[str, List[dict]], per_node: int = 1) -> dict:
+    """One method's row: accuracy and bytes from the first link setting, the slowest rank's time at each.
+
+    With several ranks per node, each rank reads its node's shared link counter: the node's bytes are the
+    mean of those readings, a rank's share that over ``per_node``."""
     first = next(iter(runs.values()))
     wire = [r["wire_bytes_per_rank"] for r in first]
+    node_tx = None if wire[0] is None else mean([w["tx"] for w in wire])
     return {
+        "wire_tx_bytes_per_node": node_tx if per_node > 1 else None,
         "test_acc": first[0]["test_acc"],
         "train_loss": first[0]["train_loss"],
         "payload_bytes_per_rank": mean([r["payload_bytes_per_rank"] for r in first]),
         "meter_bytes_per_rank": mean([r["bytes_per_rank"] for r in first]),
-        "wire_tx_bytes_per_rank": None if wire[0] is None else mean([w["tx"] for w in wire]),
+        "wire_tx_bytes_per_rank": None if node_tx is None else node_tx / per_node,
         "step_ms": {bw: max(r["step_ms"] for r in rs) for bw, rs in runs.items()},  # the slowest rank sets the pace
         "config": first[0]["config"],
     }
@@ -337,6 +353,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="commhooks bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from: {', '.join(METHODS)}")
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=None,
+                   help="simulated nodes (default: one per rank): a node's ranks share one namespace and one "
+                        "rate-limited link; inside it they talk unlimited. AB's and QSR's node-sized groups follow")
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
     p.add_argument("--seed", type=int, default=0)
@@ -356,6 +375,8 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     args.bandwidths = [b.strip() for b in args.bandwidths.split(",") if b.strip()]
+    if args.nodes is not None and (args.nodes < 1 or args.ranks % args.nodes):
+        p.error(f"--nodes must divide --ranks ({args.ranks}), got {args.nodes}")
     return args
 
 
@@ -385,8 +406,9 @@ def _run(args, out: Path) -> int:
                 stale = remove_stale_lab()
                 if stale:
                     print(f"commhooks bench: removed what a dead earlier run left: {', '.join(stale)}", flush=True)
-                lab = NetnsLab(args.ranks).__enter__()
-                network = "netns + veth + bridge, tc per rank"
+                lab = NetnsLab(args.ranks, nodes=args.nodes).__enter__()
+                network = ("netns + veth + bridge, tc per rank" if lab.per_node == 1 else
+                           f"netns + veth + bridge, {lab.nodes} nodes of {lab.per_node} ranks sharing one tc-limited link each")
             except LabError as exc:
                 if args.netns == "on":
                     raise
@@ -395,7 +417,8 @@ def _run(args, out: Path) -> int:
         if lab is None and any(bw != "unlimited" for bw in args.bandwidths):
             print("commhooks bench: loopback cannot be rate-limited; measuring 'unlimited' only", flush=True)
             args.bandwidths = ["unlimited"]
-        results = {"setup": {"ranks": args.ranks, "steps": args.steps, "model": args.model, "seed": args.seed,
+        results = {"setup": {"ranks": args.ranks, "nodes": lab.nodes if lab else None, "steps": args.steps,
+                             "model": args.model, "seed": args.seed,
                              "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
                              "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}, "methods": {}}
         for bw in args.bandwidths:
@@ -407,8 +430,9 @@ def _run(args, out: Path) -> int:
     finally:
         if lab:
             lab.__exit__()
+    per_node = args.ranks // (results.get("setup", {}).get("nodes") or args.ranks)
     for name in args.methods:
-        results["methods"][name] = summarize(runs[name])
+        results["methods"][name] = summarize(runs[name], per_node)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     md = table(results)
     (out / "table.md").write_text(md + "\n")
