@@ -10,7 +10,8 @@ import pytest
 from commhooks.tools import plan
 
 REPO = Path(__file__).resolve().parents[1]
-RECORDED = [REPO / "results" / "bench-2026-12-02" / "results.json", REPO / "results" / "bench-2026-12-03" / "results.json"]
+RECORDED = [REPO / "results" / name / "results.json"
+            for name in ("bench-2026-12-02", "bench-2026-12-03", "bench-2026-12-03-4ranks-2nodes")]
 
 
 @pytest.mark.parametrize("path", RECORDED, ids=lambda p: p.parent.name)

@@ -4,14 +4,15 @@ Bytes come from exact per-method formulas (the ones the meter and the
 benchmark's payload counter confirm on MNIST-1D; a test checks them against a
 recorded benchmark); time from a latency-bandwidth model of the collectives:
 
-* allreduce of ``B`` bytes over ``n`` nodes of ``g`` ranks (hierarchical, the
-  node's link shared by its ranks):
-  ``2 (g-1)/g * B / intra + 2 (n-1)/n * B / inter + calls * (2 (g-1) + 2 (n-1)) * latency``;
+* allreduce of ``B`` bytes over ``p = n g`` ranks on ``n`` nodes (a ring through
+  every rank, as gloo and NCCL's rings run it: each node's link carries
+  ``2 (p-1)/p B``): ``2 (p-1)/p * B / inter + calls * 2 (p-1) * latency``
+  (on one node: the same over ``intra``);
 * allgather of ``B`` bytes per rank (compressed payloads):
   ``(g-1) B / intra + (n-1) g B / inter + calls * latency``;
 * replica groups (QSR ``group_size`` = ranks per node, DeepSpeed's ZeRO inside):
   the gradient allreduce stays inside the node, and each rank syncs a
-  ``1/g`` shard across nodes.
+  ``1/g`` shard across nodes (``g`` rings of ``n`` ranks side by side).
 
 Links run at ``efficiency`` of their rate (TCP/IP over Ethernet frames carries
 ~94 % payload).  A step is ``compute + method overhead + communication``,
@@ -244,16 +245,20 @@ def comm_ms(t: Traffic, layout: Layout) -> float:
     inter = layout.inter_gbit * 1e9 / 8 * layout.efficiency  # bytes/s
     intra = layout.intra_gbit * 1e9 / 8 * layout.efficiency
     seconds = 0.0
+    p = n * g
     if t.allreduce:
-        cross = t.allreduce * (g if t.sharded else 1)  # a node's link carries all of its ranks' shards
-        seconds += 2 * (n - 1) / n * cross / inter
-        if not t.sharded:
+        if t.sharded:  # g rings of n ranks (one per shard), side by side on the node's link
+            seconds += 2 * (n - 1) / n * g * t.allreduce / inter
+        elif n > 1:  # one ring through every rank: each node's link carries 2 (p-1)/p of the payload
+            seconds += 2 * (p - 1) / p * t.allreduce / inter
+        else:
             seconds += 2 * (g - 1) / g * t.allreduce / intra
     if t.allreduce_intra:
         seconds += 2 * (g - 1) / g * t.allreduce_intra / intra
     if t.allgather:
         seconds += (n - 1) * g * t.allgather / inter + (g - 1) * t.allgather / intra
-    seconds += t.calls * layout.latency_us * 1e-6 * (2 * (g - 1) + 2 * (n - 1))  # hierarchical: ring steps
+    ring = n if t.sharded else p
+    seconds += t.calls * layout.latency_us * 1e-6 * 2 * (ring - 1)  # a ring's steps
     return 1000 * seconds
 
 
@@ -293,11 +298,12 @@ def validate(bench_json: str) -> List[dict]:
     schedule = Schedule(steps=setup["steps"])
     base = methods["compute-only"]["step_ms"]
     rows = []
+    nodes = setup.get("nodes") or setup["ranks"]
     for bw in setup["bandwidths"]:
         if bw == "unlimited":
             continue
         rate = float(bw.replace("gbit", "e9").replace("mbit", "e6")) / 1e9
-        layout = Layout(nodes=setup["ranks"], ranks_per_node=1, inter_gbit=rate)
+        layout = Layout(nodes=nodes, ranks_per_node=setup["ranks"] // nodes, inter_gbit=rate)
         for name, m in methods.items():
             overhead = {name: m["step_ms"]["unlimited"] - base["unlimited"]}
             row = predict([name], shapes, layout, base[bw], schedule, overhead,
