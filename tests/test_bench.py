@@ -104,7 +104,10 @@ def test_bench_cleans_up_on_a_signal(how, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "commhooks.cli", "bench", "--methods", "ddp", "--steps", "100000",
                              "--bandwidths", "100mbit", "--netns", "on", "--out", str(out)],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            # a shell's background job ignores SIGINT, and children inherit that: give the benchmark
+                            # the disposition a terminal's Ctrl-C meets, whoever started pytest
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         out_dir = out
         out_dir.parent.mkdir(parents=True, exist_ok=True)
