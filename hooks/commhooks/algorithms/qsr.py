@@ -277,28 +277,32 @@ class QSRState(AlgorithmState):
         elif self.shards is None:
             self.average([t for _, t in named], tag="sync")
         else:
-            buffers = {id(b) for b in float_buffers(self.module)}
-            self.average([t for _, t in named if id(t) not in buffers], group=self.shards, tag="sync")
-            if buffers and self.config.average_buffers:
-                self.average([t for _, t in named if id(t) in buffers], tag="sync-buffers")
+            sharded, buffers = self._buffers_apart([t for _, t in named])
+            self.average(sharded, group=self.shards, tag="sync")
+            if buffers:
+                self.average(buffers, tag="sync-buffers")
         self.since_sync = 0
         self.H = None
         self.synced(group=self.shards)
 
+    def _buffers_apart(self, tensors) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """``tensors`` split into (this rank's shard: parameters, optimizer moments; floating buffers): buffers
+        differ inside a replica group and take the world mean."""
+        buffers = {id(b) for b in float_buffers(self.module)}
+        return [t for t in tensors if id(t) not in buffers], [t for t in tensors if id(t) in buffers]
+
     def _outer_sync(self, named) -> None:
-        """The parameters by an outer step on their pseudo-gradient (proof inside the payload); buffers and
-        optimizer moments, if synced, by a plain average over the world."""
+        """The parameters by an outer step on their pseudo-gradient (proof inside the payload); buffers, if
+        synced, by a plain average over the world, optimizer moments over the shard's group."""
         params = [p for _, p in self.named_params]
         own = {id(p) for p in params}
         proof = self.step_proof()
         with self.collective_context():
             mean = self.outer.sync(self.comm, params, proof, group=self.shards, tag="sync")
         self.check_proof(mean, self.shards, "sync")
-        buffers = {id(b) for b in float_buffers(self.module)}
-        rest = [t for _, t in named if id(t) not in own]
-        if any(id(t) in buffers for t in rest):  # buffers differ inside a replica group: the world mean
-            self.average([t for t in rest if id(t) in buffers], tag="sync-buffers")
-        moments = [t for t in rest if id(t) not in buffers]
+        moments, buffers = self._buffers_apart([t for _, t in named if id(t) not in own])
+        if buffers:
+            self.average(buffers, tag="sync-buffers")
         if moments:  # optimizer moments belong to this rank's shard, like the parameters
             self.average(moments, group=self.shards, tag="sync-moments")
 
