@@ -104,7 +104,7 @@ def _worker(rank, world):
         conf = {"type": "qsr", "h_base": 3, "alpha": 0.0, "payload": codec, "error_feedback": True, "total_steps": 9}
         weights, state = _qsr_run(conf, 9)
         out[codec] = {"tags": state.meter.by_tag(), "numel": numel, "syncs": state.syncs,
-                      "residual": state.outer.residual.clone(), "weights": weights}
+                      "residual": state.outer.outers[0].residual.clone(), "weights": weights}
     # 4. exact resume mid-round, with momentum and error feedback state
     conf = {"type": "qsr", "h_base": 3, "alpha": 0.0, "outer_lr": 0.7, "outer_momentum": 0.9, "payload": "int8",
             "error_feedback": True, "total_steps": 12}

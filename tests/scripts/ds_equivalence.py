@@ -80,12 +80,13 @@ result = {"kind": hook.kind, "config": to_dict(hook), "runs": {}}
 variants = {"base": hook}
 if hook.kind == "qsr":  # DiLoCo outer step with a compressed payload, through the same contract
     variants["int8-outer"] = load_config({**to_dict(hook), "outer_lr": 0.7, "outer_momentum": 0.9, "payload": "int8",
-                                          "error_feedback": True})
+                                          "error_feedback": True, "overlap_steps": 1, "fragments": 2})
     variants["bf16"] = load_config({**to_dict(hook), "payload": "bf16"})
 if hook.kind == "ab":
     variants["only-b"] = load_config({**to_dict(hook), "mode": "only-b"})
     variants["groups-stale"] = load_config({**to_dict(hook), "mode": "groups", "group_size": 1, "sync": "with-stale"})
-    variants["ab-x-qsr"] = load_config({**to_dict(hook), "sync_rule": "qsr", "alpha": 0.1, "h_base": 3})
+    variants["ab-x-qsr"] = load_config({**to_dict(hook), "sync_rule": "qsr", "alpha": 0.1, "h_base": 3,
+                                        "payload": "int8"})
 for name, conf in variants.items():
     result["runs"][name] = {"ddp": ddp_run(conf, 1), "ds": ds_run(conf, 1)}
 if hook.kind == "qsr":  # one launcher run proves the third, unknown algorithm too

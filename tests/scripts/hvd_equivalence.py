@@ -33,13 +33,17 @@ AB = {"type": "ab", "warmup_steps": 3, "sync_period": 5, "full_rank_steps": 1, "
       "min_compression_rate": 0.0}
 VARIANTS = {
     "qsr": {"type": "qsr", "h_base": 3, "warmup_steps": 2, "init_h": 1},
-    # DiLoCo outer step with an int8 payload: Horovod carries the packed bytes by allgather
+    # DiLoCo outer step with an int8 payload, in 2 fragments, each landing a step after it is sent: Horovod
+    # carries the packed bytes by an allgather that stays in flight during the next step
     "qsr-int8-outer": {"type": "qsr", "h_base": 3, "warmup_steps": 2, "init_h": 1, "outer_lr": 0.7,
-                       "outer_momentum": 0.9, "payload": "int8", "error_feedback": True},
+                       "outer_momentum": 0.9, "payload": "int8", "error_feedback": True, "overlap_steps": 1,
+                       "fragments": 2},
     "ab-only-b": {**AB, "mode": "only-b"},
     "ab-groups": {**AB, "mode": "groups", "group_size": args.group_size},
     "ab-groups-stale": {**AB, "mode": "groups", "group_size": args.group_size, "sync": "with-stale"},
-    "ab-x-qsr": {**AB, "mode": "groups", "group_size": args.group_size, "sync_rule": "qsr", "alpha": 0.1, "h_base": 3},
+    # AB x QSR whose syncs send int8 changes since the phase began (by allgather, as for QSR)
+    "ab-x-qsr": {**AB, "mode": "groups", "group_size": args.group_size, "sync_rule": "qsr", "alpha": 0.1, "h_base": 3,
+                 "payload": "int8"},
 }
 commhooks.horovod.init(VARIANTS["ab-groups"])  # static process sets for the groups (when they have >= 2 ranks)
 info = init_distributed(timeout=60)  # torch.distributed beside Horovod, for the DDP side

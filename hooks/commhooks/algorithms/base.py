@@ -374,11 +374,13 @@ class AlgorithmState:
         scale = self.scaler.get_scale() if self.scaler is not None else self._last_scale
         return alignment.step_proof(self.step, scale)
 
-    def check_proof(self, mean: torch.Tensor, group, tag: str) -> None:
+    def check_proof(self, mean: torch.Tensor, group, tag: str, step: Optional[int] = None) -> None:
         """After a sync: the ranks' mean proof shows the same step everywhere (else DivergenceError on every
-        rank); equalize GradScaler scales that parted."""
+        rank); equalize GradScaler scales that parted.  ``step``: the step the proof was made at (default:
+        now; a sync applied later was sent earlier)."""
         size = self.comm.size if group is None else group.size
-        alignment.check_step_proof(mean, self.step, size, self.comm.rank, f"{self.display_name} {tag} at step {self.step}")
+        step = self.step if step is None else step
+        alignment.check_step_proof(mean, step, size, self.comm.rank, f"{self.display_name} {tag} at step {step}")
         if alignment.scales_differ(mean, size):
             self._equalize_scales(group)
 
@@ -436,8 +438,13 @@ class AlgorithmState:
         self.syncs += 1
         self.sync_steps.append(self.step)
         if self.config.check_every and self.syncs % self.config.check_every == 0:
-            verify_identical(self.comm, self.sync_named(), f"after {self.display_name} sync {self.syncs} (step {self.step})",
-                             group=group)
+            verify_identical(self.comm, self.identical_named(),
+                             f"after {self.display_name} sync {self.syncs} (step {self.step})", group=group)
+
+    def identical_named(self) -> List[Tuple[str, torch.Tensor]]:
+        """What a sync makes identical on every rank, checked by ``check_every``: :meth:`sync_named` unless a
+        subclass's syncs land later (then, e.g., the anchors they average into)."""
+        return self.sync_named()
 
     def tensors_changed(self) -> None:
         """Tell the engine the synced tensors changed outside an optimizer step (after a sync, a re-basis)."""

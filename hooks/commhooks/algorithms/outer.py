@@ -33,11 +33,11 @@ still share one anchor (one parameter-sized payload, tag ``anchor``).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..comm import Comm
+from ..comm import Comm, Work
 from ..comm.base import flatten, unflatten_into
 from . import payload
 
@@ -64,9 +64,11 @@ class OuterSync:
         self._write(tensors, flat)
 
     @torch.no_grad()
-    def sync(self, comm: Comm, tensors: Sequence[torch.Tensor], proof: torch.Tensor, group=None,
-             tag: str = "sync") -> torch.Tensor:
-        """One outer step; ``tensors`` become the new anchor.  Returns the mean of the ranks' proofs."""
+    def send(self, comm: Comm, tensors: Sequence[torch.Tensor], proof: torch.Tensor, group=None,
+             tag: str = "sync") -> Tuple[Work, torch.Tensor]:
+        """Start averaging this rank's pseudo-gradient; returns the in-flight :class:`Work` (its ``wait()``
+        gives ``(mean pseudo-gradient, mean proof)``) and the weights it was taken from (flat fp32), which
+        :meth:`apply` needs to keep the local progress made while the sync was in flight."""
         local = self._flat(tensors)
         self._to(local.device)
         delta = self.anchor - local
@@ -77,14 +79,36 @@ class OuterSync:
             sent = payload.encode(delta, self.codec, self.block)
             if self.error_feedback:
                 self.residual = delta - payload.decode(sent, self.codec, delta.numel(), self.block)
-        mean, proofs = payload.compressed_mean(comm, delta, self.codec, self.block, proof, group=group, tag=tag,
-                                               sent=sent)
+        return payload.start_mean(comm, delta, self.codec, self.block, proof, group=group, tag=tag, sent=sent), local
+
+    @torch.no_grad()
+    def apply(self, mean: torch.Tensor, tensors: Sequence[torch.Tensor], sent_from: Optional[torch.Tensor] = None,
+              merge: str = "progress", alpha: float = 1.0) -> None:
+        """The outer step with the averaged pseudo-gradient ``mean``; then the weights.
+
+        ``sent_from=None`` (a blocking sync): the weights become the new anchor.  Otherwise the sync was in
+        flight while the weights moved on from ``sent_from``; ``merge="progress"`` keeps ``alpha`` of that
+        progress on top of the new anchor, ``"mix"`` takes ``alpha * local + (1 - alpha) * anchor``
+        (Streaming DiLoCo's mixing); ``alpha=0`` in either discards the in-flight steps (torchft)."""
         step = mean
         if self.momentum:
             self.buffer = mean.clone() if self.buffer is None else self.buffer.mul_(self.momentum).add_(mean)
             step = mean + self.momentum * self.buffer if self.nesterov else self.buffer
         self.anchor -= self.lr * step
-        self._write(tensors, self.anchor)
+        if sent_from is None or alpha == 0.0:
+            self._write(tensors, self.anchor)
+            return
+        now = self._flat(tensors)
+        merged = self.anchor + alpha * (now - sent_from) if merge == "progress" else (
+            alpha * now + (1.0 - alpha) * self.anchor)
+        self._write(tensors, merged)
+
+    def sync(self, comm: Comm, tensors: Sequence[torch.Tensor], proof: torch.Tensor, group=None,
+             tag: str = "sync") -> torch.Tensor:
+        """One blocking outer step; ``tensors`` become the new anchor.  Returns the mean of the ranks' proofs."""
+        work, _ = self.send(comm, tensors, proof, group, tag)
+        mean, proofs = work.wait()
+        self.apply(mean, tensors)
         return proofs
 
     @staticmethod

@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..comm import Comm
+from ..comm import Comm, Work
 
 CODECS = ("fp32", "bf16", "int8")
 
@@ -84,26 +84,38 @@ def round_trip(x: torch.Tensor, codec: str, block: int) -> torch.Tensor:
     return decode(encode(x, codec, block), codec, x.numel(), block)
 
 
-def compressed_mean(comm: Comm, x: torch.Tensor, codec: str, block: int, proof: torch.Tensor, group=None,
-                    tag: str = "sync", sent: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The mean over ``group`` of the ranks' ``x`` (flat fp32) and of their ``proof`` (float32), in one call.
+def start_mean(comm: Comm, x: torch.Tensor, codec: str, block: int, proof: torch.Tensor, group=None,
+               tag: str = "sync", sent: Optional[torch.Tensor] = None) -> Work:
+    """Start averaging ``x`` (flat fp32) and ``proof`` (float32) over ``group`` in one collective; the
+    returned :class:`Work`'s ``wait()`` gives ``(mean, mean_proof)``.
 
     ``fp32``: one allreduce.  ``bf16`` / ``int8``: one allgather of the packed bytes; every rank decodes
     and sums in rank order (identical results everywhere).  ``sent``: this rank's encoded bytes when the
-    caller already made them (error feedback needs them too).
+    caller already made them (error feedback needs them too).  ``x`` may change after the call: the
+    collective works on its own copy.
     """
     size = comm.size if group is None else group.size
     if codec == "fp32":
         both = torch.cat([proof.to(x.device), x])
-        comm.allreduce([both], op="mean", group=group, tag=tag)
-        return both[proof.numel():], both[: proof.numel()]
+        work = comm.allreduce([both], op="mean", group=group, tag=tag, async_op=True)
+        return work.then(lambda out: (out[0][proof.numel():], out[0][: proof.numel()]))
     body = sent if sent is not None else encode(x, codec, block)
     packed = torch.cat([proof.to(x.device).contiguous().view(torch.uint8), body])
-    chunks = comm.allgather(packed, group=group, tag=tag)
-    head = 4 * proof.numel()
-    total = torch.zeros_like(x)
-    proofs = torch.zeros_like(proof)
-    for chunk in chunks:
-        proofs += chunk[:head].clone().view(torch.float32).to(proofs.device)
-        total += decode(chunk[head:].clone(), codec, x.numel(), block)
-    return total / size, proofs / size
+    work = comm.allgather(packed, group=group, tag=tag, async_op=True)
+    numel, device, head = x.numel(), x.device, 4 * proof.numel()
+
+    def decode_all(chunks):
+        total = torch.zeros(numel, dtype=torch.float32, device=device)
+        proofs = torch.zeros_like(proof, dtype=torch.float32)
+        for chunk in chunks:
+            proofs += chunk[:head].clone().view(torch.float32).to(proofs.device)
+            total += decode(chunk[head:].clone(), codec, numel, block)
+        return total / size, proofs / size
+
+    return work.then(decode_all)
+
+
+def compressed_mean(comm: Comm, x: torch.Tensor, codec: str, block: int, proof: torch.Tensor, group=None,
+                    tag: str = "sync", sent: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`start_mean`, waited on: ``(mean, mean_proof)``."""
+    return start_mean(comm, x, codec, block, proof, group, tag, sent).wait()

@@ -57,6 +57,7 @@ from . import replicas
 from ..config import ConfigError
 from .base import AlgorithmState
 from .outer import OuterSync
+from .streaming import StreamedSyncs, send_points
 from .rule import QuadraticRuleFields, rule_period
 
 
@@ -79,8 +80,10 @@ class QSRConfig(QuadraticRuleFields):
 
     A sync can be a DiLoCo outer step on the pseudo-gradient (``outer_lr``,
     ``outer_momentum``) sent in fp32, bf16 or int8 (``payload``, with
-    ``error_feedback``); see :mod:`commhooks.algorithms.outer` and
-    :mod:`commhooks.algorithms.payload`.  On MNIST-1D the combination QSR
+    ``error_feedback``), overlapped with the next ``overlap_steps`` local
+    steps and staggered in ``fragments``; see
+    :mod:`commhooks.algorithms.outer`, :mod:`commhooks.algorithms.payload`
+    and :mod:`commhooks.algorithms.streaming`.  On MNIST-1D the combination QSR
     periods + outer lr 0.7 / Nesterov 0.9 + int8 sends 1.3 % of DDP's bytes.
     """
 
@@ -110,11 +113,24 @@ class QSRConfig(QuadraticRuleFields):
         "int8: elements per scale (error per element <= absmax of its block / 254)"))] = 256
     error_feedback: bool = Field(False, description=(
         "add what the payload codec lost at a sync to the next sync's pseudo-gradient"))
+    overlap_steps: Annotated[int, Field(ge=0, description=(
+        "apply each sync this many local steps after sending it, training on meanwhile (Streaming DiLoCo's "
+        "tau; 0 = blocking); keep it below the shortest period"))] = 0
+    overlap_merge: Literal["progress", "mix"] = Field("progress", description=(
+        "how an overlapped sync lands: progress = synced weights + overlap_alpha * the local steps made "
+        "meanwhile; mix = overlap_alpha * local + (1 - overlap_alpha) * synced (the paper's mixing)"))
+    overlap_alpha: Annotated[float, Field(ge=0.0, le=1.0, description=(
+        "weight of the local side in overlap_merge (progress: 1 keeps every in-flight step; mix: paper 0.5; "
+        "0 in either = torchft: discard the in-flight steps)"))] = 1.0
+    fragments: Annotated[int, Field(ge=1, description=(
+        "cut the parameters into this many equal runs whose syncs are staggered across the period (the "
+        "link carries 1/fragments of the model at a time)"))] = 1
 
     @property
     def pseudo_gradient(self) -> bool:
         """True when a sync is an outer step on the pseudo-gradient (outer optimizer or compressed payload)."""
-        return self.outer_lr != 1.0 or self.outer_momentum != 0.0 or self.payload != "fp32"
+        return (self.outer_lr != 1.0 or self.outer_momentum != 0.0 or self.payload != "fp32"
+                or self.overlap_steps > 0 or self.fragments > 1)
 
     @property
     def warmup_h(self) -> int:
@@ -173,8 +189,11 @@ class QSRState(AlgorithmState):
         self._previous_lr: Optional[float] = None
         self._warned = set()  # warnings given once: "rising", "unbounded"
         c = self.config
-        self.outer = OuterSync(c.outer_lr, c.outer_momentum, c.outer_nesterov, c.payload, c.payload_block,
-                               c.error_feedback) if c.pseudo_gradient else None
+        self.outer = StreamedSyncs(
+            [p.numel() for _, p in self.named_params], c.fragments,
+            lambda: OuterSync(c.outer_lr, c.outer_momentum, c.outer_nesterov, c.payload, c.payload_block,
+                              c.error_feedback),
+            c.overlap_merge, c.overlap_alpha) if c.pseudo_gradient else None
         if self.engine.buffers_synced_each_forward and float_buffers(self.module):
             warnings.warn(
                 "the DDP model re-broadcasts buffers from rank 0 on every forward "
@@ -206,7 +225,7 @@ class QSRState(AlgorithmState):
                                    async_op=True, tag="group-grad")
 
     def before_step(self) -> None:
-        if self.outer is not None and self.outer.anchor is None:  # first step: every rank's anchor, the mean
+        if self.outer is not None and not self.outer.anchored:  # first step: every rank's anchor, the mean
             with self.collective_context():
                 self.outer.take_anchor(self.comm, [p for _, p in self.named_params], group=self.shards)
             self.tensors_changed()
@@ -245,8 +264,17 @@ class QSRState(AlgorithmState):
         if self.H is None:  # a step that bypassed the pre-hook
             self.before_step()
         self.since_sync += 1
+        if self.outer is None:
+            if self.since_sync >= self.H:
+                self.sync()
+            return
+        for k in self.outer.due(self.step):  # syncs sent overlap_steps ago land now
+            self._apply_fragment(k)
         if self.since_sync >= self.H:
-            self.sync()
+            self._end_round(send_points(self.H, len(self.outer.outers)).get(self.since_sync, []))
+        else:
+            for k in send_points(self.H, len(self.outer.outers)).get(self.since_sync, []):
+                self._send_fragment(k)
 
     def sync_named(self) -> List[Tuple[str, torch.Tensor]]:
         """Parameters, floating buffers (``average_buffers``), optimizer moments (``average_optimizer_state``)."""
@@ -260,7 +288,7 @@ class QSRState(AlgorithmState):
         return named
 
     def sync(self) -> None:
-        """Average the model over the world now and start a new round.
+        """Average the model over the world now and start a new round (syncs in flight land first).
 
         With replica groups the ranks of a group already hold the same parameters, so the world mean is
         the mean over groups; buffers (BatchNorm statistics) still differ inside a group and need the
@@ -268,13 +296,12 @@ class QSRState(AlgorithmState):
         rank holds a different shard: it is averaged with the same shard of the other groups (one payload
         of the shard's size per rank), and the buffers over the world in a second call.
         """
-        if self.refresh_parameters() and self.outer is not None:
-            raise ConfigError("QSR with outer_lr / outer_momentum / payload: parameters added or unfrozen during "
-                              "training are not supported (the anchor covers the parameters of the first step)")
-        named = self.sync_named()
         if self.outer is not None:
-            self._outer_sync(named)
-        elif self.shards is None:
+            self.flush()
+            self._end_round(range(len(self.outer.outers)), blocking=True)
+            return
+        named = self.sync_named()
+        if self.shards is None:
             self.average([t for _, t in named], tag="sync")
         else:
             sharded, buffers = self._buffers_apart([t for _, t in named])
@@ -291,20 +318,65 @@ class QSRState(AlgorithmState):
         buffers = {id(b) for b in float_buffers(self.module)}
         return [t for t in tensors if id(t) not in buffers], [t for t in tensors if id(t) in buffers]
 
-    def _outer_sync(self, named) -> None:
-        """The parameters by an outer step on their pseudo-gradient (proof inside the payload); buffers, if
-        synced, by a plain average over the world, optimizer moments over the shard's group."""
-        params = [p for _, p in self.named_params]
-        own = {id(p) for p in params}
-        proof = self.step_proof()
-        with self.collective_context():
-            mean = self.outer.sync(self.comm, params, proof, group=self.shards, tag="sync")
-        self.check_proof(mean, self.shards, "sync")
-        moments, buffers = self._buffers_apart([t for _, t in named if id(t) not in own])
-        if buffers:
+    def _end_round(self, fragments, blocking: bool = False) -> None:
+        """The round's last fragments are sent (blocking: applied too), buffers and optimizer moments
+        averaged; a new round starts."""
+        if self.refresh_parameters():
+            raise ConfigError("QSR with outer_lr / outer_momentum / payload / overlap_steps / fragments: parameters "
+                              "added or unfrozen during training are not supported (the anchor covers the "
+                              "parameters of the first step)")
+        for k in fragments:
+            self._send_fragment(k, blocking=blocking)
+        own = {id(p) for _, p in self.named_params}
+        moments, buffers = self._buffers_apart([t for _, t in self.sync_named() if id(t) not in own])
+        if buffers:  # buffers differ inside a replica group: the world mean
             self.average(buffers, tag="sync-buffers")
         if moments:  # optimizer moments belong to this rank's shard, like the parameters
             self.average(moments, group=self.shards, tag="sync-moments")
+        self.since_sync = 0
+        self.H = None
+        self.synced(group=self.shards)
+
+    def _send_fragment(self, k: int, blocking: bool = False) -> None:
+        """Send fragment ``k``'s pseudo-gradient (proof inside); it lands ``overlap_steps`` steps later, never
+        after ``total_steps``, at once if ``blocking``.  A previous sync of ``k`` still in flight lands first."""
+        if k in self.outer.in_flight:
+            self._apply_fragment(k)
+        apply_at = self.step if blocking else self.step + self.config.overlap_steps
+        if self.config.total_steps is not None:
+            apply_at = min(apply_at, max(self.step, self.config.total_steps))
+        with self.collective_context():
+            self.outer.send(k, self.comm, self._params(), self.step_proof(), self.step, apply_at,
+                            group=self.shards, tag="sync")
+        if apply_at <= self.step:
+            self._apply_fragment(k)
+
+    def _apply_fragment(self, k: int) -> None:
+        with self.collective_context():
+            proofs, sent_at = self.outer.apply(k, self._params())
+        self.check_proof(proofs, self.shards, "sync", step=sent_at)
+        self.tensors_changed()
+
+    def _params(self) -> List[torch.Tensor]:
+        return [p for _, p in self.named_params]
+
+    def flush(self) -> None:
+        """Land every sync still in flight now (before a forced sync, at the end of a Join, before
+        evaluation if you want the synced weights)."""
+        if self.outer is not None:
+            for k in sorted(self.outer.in_flight):
+                self._apply_fragment(k)
+
+    def final_sync(self) -> None:
+        self.flush()
+        super().final_sync()
+
+    def identical_named(self) -> List[Tuple[str, torch.Tensor]]:
+        """With overlapped syncs the ranks keep their local progress: the anchors are what agree."""
+        if self.outer is None or not self.config.overlap_steps:
+            return self.sync_named()
+        own = {id(p) for _, p in self.named_params}
+        return self.outer.anchors() + [(n, t) for n, t in self.sync_named() if id(t) not in own]
 
     def algorithm_state_dict(self) -> dict:
         state = {"since_sync": self.since_sync, "H": self.H}

@@ -180,8 +180,9 @@ class Comm:
     def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
         raise NotImplementedError
 
-    def _allgather_flat(self, flat: torch.Tensor, group: Group) -> torch.Tensor:
-        """Every member's ``flat`` (same size everywhere), concatenated in group-rank order."""
+    def _allgather_flat(self, flat: torch.Tensor, group: Group, async_op: bool = False):
+        """Every member's ``flat`` (same size everywhere), concatenated in group-rank order; with
+        ``async_op`` a function that waits and returns it."""
         raise NotImplementedError
 
     def _make_group(self, ranks: Tuple[int, ...]) -> Any:
@@ -288,24 +289,39 @@ class Comm:
         return tensors
 
     def allgather(self, tensor: torch.Tensor, group: Optional[Group] = None, tag: str = "",
-                  metered: bool = True) -> List[torch.Tensor]:
+                  metered: bool = True, async_op: bool = False):
         """Every member's ``tensor`` (same shape and dtype everywhere), in group-rank order.
 
         For payloads a sum would break (int8 codes, packed bytes): each rank receives the others' and
         reduces them itself.  The meter counts this rank's own contribution, as for an allreduce.
+        ``async_op``: a :class:`Work` whose ``wait()`` returns the list (the link works while you compute).
         """
         group = group or self.world
         if group.size == 1:
-            return [tensor]
+            return Work(lambda: [tensor]) if async_op else [tensor]
         flat = tensor.reshape(-1).contiguous()
         nbytes = flat.numel() * flat.element_size()
+        what = lambda: self._describe("allgather", group, tag, nbytes)  # noqa: E731
         if metered:
             self.meter.record(group.name, "allgather", nbytes, tag)
         try:
-            out = self._allgather_flat(flat, group)
+            out = self._allgather_flat(flat, group, async_op)
         except Exception as exc:
-            raise CollectiveError(f"{self._describe('allgather', group, tag, nbytes)} failed: {exc}") from exc
-        return [chunk.view_as(tensor) for chunk in out.chunk(group.size)]
+            raise CollectiveError(f"{what()} failed: {exc}") from exc
+
+        def chunks(gathered: torch.Tensor) -> List[torch.Tensor]:
+            return [chunk.view_as(tensor) for chunk in gathered.chunk(group.size)]
+
+        if not async_op:
+            return chunks(out)
+
+        def wait():
+            try:
+                return chunks(out())
+            except Exception as exc:
+                raise CollectiveError(f"{what()} failed: {exc}") from exc
+
+        return Work(wait)
 
     def notify_join(self, joinable) -> None:
         """Tell a ``torch.distributed`` Join context that this rank still trains (no-op for other backends)."""

@@ -76,12 +76,21 @@ class HorovodComm(Comm):
         finally:
             self._inflight[key].discard(i)
 
-    def _allgather_flat(self, flat: torch.Tensor, group: Group) -> torch.Tensor:
+    def _allgather_flat(self, flat: torch.Tensor, group: Group, async_op: bool = False):
         key, i, name = self._claim(group, "allgather", flat)
         try:  # Horovod's allgather carries any dtype, int8 and raw bytes included (its allreduce refuses those)
-            return self.hvd.allgather(flat, name=name, process_set=group.handle)
-        finally:
+            handle = self.hvd.allgather_async(flat, name=name, process_set=group.handle)
+        except Exception:
             self._inflight[key].discard(i)
+            raise
+
+        def wait():
+            try:
+                return self.hvd.synchronize(handle)
+            finally:
+                self._inflight[key].discard(i)
+
+        return wait if async_op else wait()
 
     def _make_group(self, ranks: Tuple[int, ...]) -> Any:
         if len(ranks) == 1:

@@ -51,9 +51,12 @@ class TorchComm(Comm):
     def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
         self._wait(dist.broadcast(flat, src=self._global_ranks[src], group=group.handle, async_op=True))
 
-    def _allgather_flat(self, flat: torch.Tensor, group: Group) -> torch.Tensor:
+    def _allgather_flat(self, flat: torch.Tensor, group: Group, async_op: bool = False):
         out = flat.new_empty(flat.numel() * group.size)
-        self._wait(dist.all_gather_into_tensor(out, flat, group=group.handle, async_op=True))
+        work = dist.all_gather_single(out, flat, group=group.handle, async_op=True)
+        if async_op:
+            return lambda: (self._wait(work), out)[1]
+        self._wait(work)
         return out
 
     def notify_join(self, joinable) -> None:

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -46,9 +47,12 @@ METHODS: Dict[str, List[str]] = {
     "ab-groups-short": ["--config", "configs/ab_short_mnist1d.json"],  # warm-up 100, F 5
     "ab-only-b": ["--config", "configs/ab_onlyb_mnist1d.json"],
     "ab-x-qsr": ["--config", "configs/abqsr_mnist1d.json"],
+    "ab-x-qsr-int8": ["--config", "configs/abqsr_int8_mnist1d.json"],  # its syncs send int8 changes
     "qsr-int8": ["--config", "configs/qsr_int8_mnist1d.json"],  # int8 pseudo-gradient + error feedback
     "diloco-h20": ["--config", "configs/diloco_mnist1d.json"],  # DiLoCo's anchor: fixed period, Nesterov outer step
     "qsr-diloco-int8": ["--config", "configs/qsr_diloco_int8_mnist1d.json"],  # QSR periods, outer step, int8
+    # the same, each sync landing 2 local steps after it is sent (Streaming DiLoCo's overlap)
+    "qsr-diloco-int8-overlap": ["--config", "configs/qsr_diloco_int8_overlap_mnist1d.json"],
     "compute-only": ["--hook", "compute-only"],
 }
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
@@ -190,8 +194,10 @@ class NetnsLab:
 def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Path, timeout: float) -> Dict[str, List[dict]]:
     """All methods at one link setting, one after the other, in one process group: per method, the per-rank summaries."""
     common = ["--steps", str(args.steps), "--model", args.model, "--seed", str(args.seed), "--no-progress"]
-    spec = {name: METHODS[name] + common + ["--label", name, "--json-out", str(out / f"{name}.rank{{rank}}.json")]
-            for name in methods}
+    repeats = max(1, getattr(args, "repeats", 1))
+    runs_of = {name: [name] + [f"{name}#{k}" for k in range(1, repeats)] for name in methods}
+    spec = {run: METHODS[name] + common + ["--label", name, "--json-out", str(out / f"{run}.rank{{rank}}.json")]
+            for k in range(repeats) for name in methods for run in [runs_of[name][k]]}  # repeats interleaved
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
     port = free_port("127.0.0.1")
@@ -226,7 +232,14 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
     finally:
         stop_workers(procs)
     sys.stdout.write(logs[0].read_text())
-    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(args.ranks)] for name in methods}
+    found = {}
+    for name in methods:  # the first run's summary; its step time the median of the repeats (a busy VM's noise)
+        ranks = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(args.ranks)]
+        for r, summary in enumerate(ranks):
+            times = [json.loads((out / f"{run}.rank{r}.json").read_text())["step_ms"] for run in runs_of[name]]
+            summary["step_ms_repeats"], summary["step_ms"] = times, statistics.median(times)
+        found[name] = ranks
+    return found
 
 
 def stop_workers(procs) -> None:
@@ -359,6 +372,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each method this many times per link setting, interleaved; step time = the median")
     p.add_argument("--bandwidths", default=",".join(BANDWIDTHS), help="comma list of tc rates (first: the accuracy run)")
     p.add_argument("--delay", default="1ms", help="netem delay added on limited links")
     p.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
@@ -418,7 +433,7 @@ def _run(args, out: Path) -> int:
             print("commhooks bench: loopback cannot be rate-limited; measuring 'unlimited' only", flush=True)
             args.bandwidths = ["unlimited"]
         results = {"setup": {"ranks": args.ranks, "nodes": lab.nodes if lab else None, "steps": args.steps,
-                             "model": args.model, "seed": args.seed,
+                             "model": args.model, "seed": args.seed, "repeats": args.repeats,
                              "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
                              "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}, "methods": {}}
         for bw in args.bandwidths:

@@ -28,6 +28,15 @@ class ABConfig(QuadraticRuleFields):
     ``sync_period``, so ``alpha = 0`` is plain AB.  ``local_group_steps``
     also drops the intra-group traffic of AB steps: each rank trains its
     factor on its own gradients until the group sync (QSR inside the group).
+
+    ``payload="int8"`` (or ``"bf16"``) compresses the world sync: every rank
+    holds the same weights when an AB phase begins, so each sends only its
+    change since then (a pseudo-gradient, small and centred), and the mean is
+    the phase's start minus the mean change.  QSR's other sync options
+    (outer optimizer, overlap, fragments) are not offered for AB: the sync
+    ends the AB phase, the full-rank steps and the next SVD need the synced
+    weights at once, and each phase has new bases, so an outer momentum has
+    no fixed coordinates to live in.
     """
 
     type: Literal["ab"] = "ab"
@@ -58,6 +67,11 @@ class ABConfig(QuadraticRuleFields):
         "with sync_rule 'qsr': shortest sync-to-sync period (null = sync_period)"))] = None
     local_group_steps: bool = Field(False, description=(
         "AB steps send nothing inside the group either (each rank trains its factor locally until the sync)"))
+    payload: Literal["fp32", "bf16", "int8"] = Field("fp32", description=(
+        "how the world sync sends what it averages: fp32 = the tensors themselves; bf16 / int8 = each rank's "
+        "change since its AB phase began (identical on every rank then), compressed, by allgather"))
+    payload_block: Annotated[int, Field(ge=8, description=(
+        "int8: elements per scale (error per element <= absmax of its block / 254)"))] = 256
 
     @model_validator(mode="after")
     def _consistent(self) -> "ABConfig":

@@ -47,8 +47,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ...comm import Work
+from ...comm.base import flatten, unflatten_into
 from ...config import ConfigError
 from ..averaging import clear_optimizer_state
+from .. import payload
 from ..base import AlgorithmState
 from . import transitions
 from .groups import make_groups
@@ -99,6 +101,7 @@ class ABState(AlgorithmState):
         self.last_switch: Optional[int] = None
         self.bases: Dict[str, Basis] = {}  # compressed weights of the current AB phase
         self.ranks: Dict[str, Optional[int]] = {}  # rank per candidate at the last entry (None: kept dense)
+        self.entry: Optional[torch.Tensor] = None  # compressed payload: the synced tensors as the AB phase began
 
     def describe(self) -> dict:
         return {"groups": self.group_ranks}
@@ -190,6 +193,9 @@ class ABState(AlgorithmState):
             self._warn_nothing_compressed()
         clear_optimizer_state(self.optimizer, [self._param[n] for n in self.bases])
         self.tensors_changed()
+        if self.config.payload != "fp32":  # identical on every rank now: the reference of the sync's deltas
+            tensors = transitions.phase_start_tensors(self._param, self.bases, self.config.sync)
+            self.entry = flatten([t.detach().float() for t in tensors]).clone()
 
     def _warn_nothing_compressed(self) -> None:
         """AB's first basis kept every layer dense: AB then runs as local SGD with group averaging."""
@@ -207,10 +213,31 @@ class ABState(AlgorithmState):
     def sync(self) -> None:
         """Average the groups' models over the world, leave AB, clear optimizer state."""
         self.refresh_parameters()
-        transitions.sync(self.average, self._param, self.bases, self.role, self.config.sync, self.float_buffers())
+        tensors, write = transitions.sync_tensors(self._param, self.bases, self.role, self.config.sync)
+        buffers = self.float_buffers()
+        if self.entry is not None and self.entry.numel() == sum(t.numel() for t in tensors):
+            self._average_changes(tensors)
+            if buffers:
+                self.average(buffers, tag="sync-buffers")
+        else:  # fp32, or outside an AB phase (a forced sync during warm-up): the plain mean
+            self.average(tensors + buffers, tag="sync")
+        write()
+        self.entry = None
         clear_optimizer_state(self.optimizer, self._param.values())
         self.bases = {}
         self.synced()
+
+    @torch.no_grad()
+    def _average_changes(self, tensors: List[torch.Tensor]) -> None:
+        """The world mean of ``tensors`` as the phase's start minus the mean of the ranks' changes since then,
+        the changes sent compressed (``payload``) with the step proof."""
+        current = flatten([t.detach() for t in tensors]).float()
+        entry = self.entry.to(current.device)
+        with self.collective_context():
+            mean, proofs = payload.compressed_mean(self.comm, entry - current, self.config.payload,
+                                                   self.config.payload_block, self.step_proof(), tag="sync")
+        self.check_proof(proofs, None, "sync")
+        unflatten_into(entry - mean, tensors)
 
     def parameters_added(self, new) -> None:
         """Parameters that became trainable or joined an optimizer: synced from now on, kept dense."""
@@ -279,6 +306,7 @@ class ABState(AlgorithmState):
             "clock": dataclasses.asdict(self.clock),
             "last_switch": self.last_switch,
             "ranks": dict(self.ranks),
+            "entry": None if self.entry is None else self.entry.clone(),
             "bases": {
                 n: {"a": b.a.clone(), "b": b.b.clone(), "s": b.s.clone(),
                     "residual": None if b.residual is None else b.residual.clone()}
@@ -294,6 +322,7 @@ class ABState(AlgorithmState):
         self.last_switch = state["last_switch"]
         self.ranks = dict(state["ranks"])
         self.bases = {n: Basis(**b) for n, b in state["bases"].items()}
+        self.entry = None if state.get("entry") is None else state["entry"].clone()
 
     def __repr__(self) -> str:
         return f"ABState(step={self.step}, phase={self.phase}, role={self.role}, group={self.group.ranks}, syncs={self.syncs})"

@@ -62,24 +62,44 @@ def agree(comm: Comm, bases: Dict[str, Basis]) -> None:
         comm.broadcast([t for n in differ for t in (bases[n].a, bases[n].b, bases[n].s)], src=0, tag="basis")
 
 
+def sync_tensors(params: Dict[str, torch.Tensor], bases: Dict[str, Basis], role: str,
+                 mode: str) -> Tuple[List[torch.Tensor], Callable[[], None]]:
+    """What a world sync averages (buffers aside), and the function that writes their mean back into W.
+
+    ``full``: every W itself (nothing to write back).  ``with-stale`` (the
+    paper's default): each rank's factors after its phase, recovered from W by
+    projection, costing ``(m + n) k`` per compressed layer instead of
+    ``m n``, and the dense tensors; W becomes mean(A) mean(B) (+ residual).
+    """
+    if mode == "full" or not bases:
+        return list(params.values()), lambda: None
+    mats = {n: tall_view(params[n].data)[0] for n in bases}
+    factors = {n: b.factors_after(mats[n], role) for n, b in bases.items()}
+    dense = [p for n, p in params.items() if n not in bases]
+
+    @torch.no_grad()
+    def write() -> None:
+        for n, (a, b) in factors.items():
+            residual = bases[n].residual
+            mats[n].copy_(a @ b if residual is None else a @ b + residual)
+
+    return [t for pair in factors.values() for t in pair] + dense, write
+
+
+def phase_start_tensors(params: Dict[str, torch.Tensor], bases: Dict[str, Basis], mode: str) -> List[torch.Tensor]:
+    """What :func:`sync_tensors` would give at the very start of an AB phase, in its order, exactly: the bases'
+    own factors (identical on every rank after :func:`agree`; recovering them by projection would add each
+    role's own rounding) and the dense tensors."""
+    if mode == "full" or not bases:
+        return list(params.values())
+    return [t for b in bases.values() for t in (b.a, b.b)] + [p for n, p in params.items() if n not in bases]
+
+
 @torch.no_grad()
 def sync(average: Callable[..., None], params: Dict[str, torch.Tensor], bases: Dict[str, Basis], role: str,
          mode: str, buffers: List[torch.Tensor]) -> None:
     """Average the groups' models over the world with ``average(tensors, tag=...)`` (the state's, which
-    carries the step proof).
-
-    ``full``: the world mean of every W.  ``with-stale`` (the paper's
-    default): each rank's factors after its phase, recovered from W by
-    projection, are averaged, costing ``(m + n) k`` per compressed layer
-    instead of ``m n``; W becomes mean(A) mean(B) (+ residual).
-    """
-    if mode == "full" or not bases:
-        average(list(params.values()) + buffers, tag="sync")
-        return
-    mats = {n: tall_view(params[n].data)[0] for n in bases}
-    factors = {n: b.factors_after(mats[n], role) for n, b in bases.items()}
-    dense = [p for n, p in params.items() if n not in bases]
-    average([t for pair in factors.values() for t in pair] + dense + buffers, tag="sync")
-    for n, (a, b) in factors.items():
-        residual = bases[n].residual
-        mats[n].copy_(a @ b if residual is None else a @ b + residual)
+    carries the step proof): the tensors of :func:`sync_tensors` and the buffers, in one call."""
+    tensors, write = sync_tensors(params, bases, role, mode)
+    average(tensors + buffers, tag="sync")
+    write()

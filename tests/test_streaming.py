@@ -1,0 +1,178 @@
+"""Streamed syncs: overlap (a sync lands overlap_steps later), fragments, both merges, exact resume in flight."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commhooks
+from commhooks.algorithms.alignment import STEP_PROOF_BYTES
+from commhooks.algorithms.streaming import send_points, split_fragments
+from commhooks.config import ConfigError, load_config
+from tests.dist import run_ranks
+from tests.test_outer import SGD, _batch, _net, _qsr_run
+
+
+def _reference(steps, period, lr, mu, tau, frags, merge="progress", alpha=1.0):
+    """Streaming DiLoCo written out from the docstring of commhooks.algorithms.streaming, independently of
+    it: fragments as equal element ranges of the flat model, sent after step ceil(period*(k+1)/frags) of
+    each round, averaged by a hand-made all_gather, landing tau steps later (never after ``steps``)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), **SGD)
+    params = list(net.parameters())
+
+    def flat():
+        return torch.cat([p.detach().reshape(-1) for p in params])
+
+    def write(vec):
+        offset = 0
+        for p in params:
+            p.data.copy_(vec[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    anchor = flat().clone()
+    n = anchor.numel()
+    edges = [n * k // frags for k in range(frags + 1)]
+    buffers = [None] * frags
+    flying = {}  # k -> (sent_at, apply_at, sent_from, mean)
+
+    def land(k):
+        sent_at, apply_at, sent_from, d = flying.pop(k)
+        a, b = edges[k], edges[k + 1]
+        buffers[k] = d.clone() if buffers[k] is None else mu * buffers[k] + d
+        anchor[a:b] -= lr * ((d + mu * buffers[k]) if mu else d)
+        theta = flat()
+        if apply_at == sent_at or alpha == 0:
+            theta[a:b] = anchor[a:b]
+        elif merge == "progress":
+            theta[a:b] = anchor[a:b] + alpha * (theta[a:b] - sent_from)
+        else:
+            theta[a:b] = alpha * theta[a:b] + (1 - alpha) * anchor[a:b]
+        write(theta)
+
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = _batch(step, rank)
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+        s = step + 1
+        for k in sorted(k for k, f in flying.items() if f[1] <= s):
+            land(k)
+        r = (s - 1) % period + 1
+        for k in range(frags):
+            if max(1, math.ceil(period * (k + 1) / frags)) != r:
+                continue
+            if k in flying:
+                land(k)
+            a, b = edges[k], edges[k + 1]
+            theta = flat()
+            delta = (anchor[a:b] - theta[a:b]).contiguous()
+            every = [torch.empty_like(delta) for _ in range(world)]
+            dist.all_gather(every, delta)
+            flying[k] = (s, min(s + tau, steps), theta[a:b].clone(), sum(every) / world)
+            if flying[k][1] <= s:
+                land(k)
+    return {n_: p.detach().clone() for n_, p in net.named_parameters()}
+
+
+def _qsr(period, steps, **keys):
+    return {"type": "qsr", "h_base": period, "alpha": 0.0, "total_steps": steps, **keys}
+
+
+def _in_flight_trace(conf, steps):
+    """Which steps end with a sync in flight (the hook must not wait for it at once)."""
+    net = DDP(_net(), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), **SGD)
+    state = commhooks.ddp.register(net, opt, conf)
+    trace = []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = _batch(step, dist.get_rank())
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+        trace.append(sorted(state.outer.in_flight))
+    return trace
+
+
+def _worker(rank, world):
+    out = {}
+    # overlap, the issue's merge: synced weights + every local step made in flight; with check_every=1 the
+    # anchors are proven identical after every round
+    conf = _qsr(4, 12, outer_lr=0.7, outer_momentum=0.9, overlap_steps=2, check_every=1)
+    out["progress"] = (_qsr_run(conf, 12)[0], _reference(12, 4, 0.7, 0.9, 2, 1))
+    out["trace"] = _in_flight_trace(conf, 12)
+    # the paper's mixing, in two fragments
+    conf = _qsr(4, 12, overlap_steps=1, overlap_merge="mix", overlap_alpha=0.5, fragments=2)
+    out["mix"] = (_qsr_run(conf, 12)[0], _reference(12, 4, 1.0, 0.0, 1, 2, "mix", 0.5))
+    # fragments staggered over a blocking period, with the outer optimizer; bytes per fragment
+    conf = _qsr(6, 12, outer_lr=0.7, outer_momentum=0.9, fragments=3)
+    weights, state = _qsr_run(conf, 12)
+    out["fragments"] = (weights, _reference(12, 6, 0.7, 0.9, 0, 3), state.meter.by_tag(), state.syncs)
+    # torchft's choice: alpha 0 drops the in-flight steps
+    conf = _qsr(4, 8, overlap_steps=1, overlap_alpha=0.0)
+    out["discard"] = (_qsr_run(conf, 8)[0], _reference(8, 4, 1.0, 0.0, 1, 1, "progress", 0.0))
+    # exact resume with a fragment in flight (sent at step 4, lands at 6), int8 with error feedback
+    conf = _qsr(4, 16, outer_lr=0.7, outer_momentum=0.9, payload="int8", error_feedback=True, overlap_steps=2,
+                fragments=2)
+    out["resume"] = (_qsr_run(conf, 16)[0], _qsr_run(conf, 16, resume_at=5)[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_worker, world_size=2, timeout=300)
+
+
+def _close(a, b):
+    return all(torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4) for k in a)
+
+
+@pytest.mark.parametrize("case", ["progress", "mix", "fragments", "discard"])
+def test_streamed_sync_equals_the_written_out_reference(results, case):
+    for r in results:
+        hooked, reference = r[case][:2]
+        assert _close(hooked, reference), {k: (hooked[k] - reference[k]).abs().max() for k in hooked}
+
+
+def test_overlapped_syncs_stay_in_flight_and_the_last_lands_at_total_steps(results):
+    for r in results:  # sent after steps 4 and 8, landing 2 steps later; the last (step 12) lands at once
+        assert r["trace"] == [[], [], [], [0], [0], [], [], [0], [0], [], [], []]
+    # after the last round every rank holds the same weights, though the merges kept local progress
+    a, b = results[0]["progress"][0], results[1]["progress"][0]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fragments_send_their_share_of_the_bytes(results):
+    numel = sum(p.numel() for p in _net().parameters())
+    for r in results:
+        tags, syncs = r["fragments"][2], r["fragments"][3]
+        assert syncs == 2
+        sent = {t: b for t, b in tags.items() if t.startswith("sync-f")}
+        assert sorted(sent) == ["sync-f0", "sync-f1", "sync-f2"]
+        assert sum(sent.values()) == syncs * (4 * numel + 3 * STEP_PROOF_BYTES)
+        assert max(sent.values()) - min(sent.values()) <= 2 * 4  # equal thirds, up to an element each
+
+
+def test_exact_resume_with_a_sync_in_flight(results):
+    for r in results:
+        straight, resumed = r["resume"]
+        assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_fragment_split_and_schedule():
+    assert split_fragments([10, 1, 1, 10, 100, 3], 3) == [
+        [(0, 0, 10), (1, 0, 1), (2, 0, 1), (3, 0, 10), (4, 0, 19)], [(4, 19, 61)], [(4, 61, 100), (5, 0, 3)]]
+    assert split_fragments([7], 2) == [[(0, 0, 3)], [(0, 3, 7)]]  # a fragment may end inside a tensor
+    assert send_points(4, 3) == {2: [0], 3: [1], 4: [2]}
+    assert send_points(1, 3) == {1: [0, 1, 2]}  # a period shorter than the fragments: all at its end
+
+
+@pytest.mark.parametrize("key, value", [("overlap_steps", -1), ("overlap_merge", "average"), ("overlap_alpha", 1.5),
+                                        ("fragments", 0)])
+def test_every_streaming_key_has_a_config_error(key, value):
+    with pytest.raises(ConfigError, match=f"qsr.{key}"):
+        load_config({"type": "qsr", key: value})
