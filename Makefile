@@ -6,7 +6,7 @@ NPROC  ?= 2
 TRAIN  := $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m commhooks.tools.train
 DEMO   := results/demo
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-gpt clean
 
 install:
 	@bash .ci/install.sh
@@ -23,6 +23,11 @@ test: install
 
 bench: install
 	$(VENV)/bin/commhooks bench --out results/bench
+
+# the GPT workload: 4 ranks on 2 nodes that share a 100 Mbit/s link each (about an hour here)
+bench-gpt: install
+	$(VENV)/bin/commhooks bench --model gpt --ranks 4 --nodes 2 --bandwidths 100mbit,unlimited \
+		--methods ddp,powersgd-r4,local-sgd-h8,qsr,ab-groups,ab-x-qsr,compute-only --out results/bench-gpt
 
 clean:
 	rm -rf results .pytest_cache

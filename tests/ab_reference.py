@@ -60,7 +60,7 @@ class FactorReference:
         self.w = {n: p.detach().clone() for n, p in model.named_parameters()}
         self.shapes = {n: p.shape for n, p in model.named_parameters()}
         self.factors = {}  # name -> [A, B, transposed]
-        self.phase, self.t = "warmup", 0
+        self.phase, self.t, self.entries = "warmup", 0, 0
 
     # --- transitions (read off the paper's schedule) -----------------------
     def before_step(self):
@@ -79,11 +79,14 @@ class FactorReference:
             mat, tr = to_tall(self.w[n])
             u, s, vh = torch.linalg.svd(mat, full_matrices=False)
             k = int((s > self.cfg["rank_cutoff"] * s[0]).sum())
+            if self.entries == 0 and self.cfg.get("first_rank") == "full":
+                k = s.numel()  # the authors' code: the first phase trains untruncated factors
             a = u[:, :k] * s[:k].sqrt()
             b = s[:k].sqrt()[:, None] * vh[:k]
             self.factors[n] = [a, b, tr]
             self.opt.forget([n, "A:" + n, "B:" + n])  # the factor starts with fresh state
         self.phase = "ab"
+        self.entries += 1
 
     def dense_w(self, n):
         a, b, tr = self.factors[n]

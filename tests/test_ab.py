@@ -226,6 +226,16 @@ def test_hook_equals_explicit_factor_training(world, settings):
                     assert delta["sync"] == full_bytes + STEP_PROOF_BYTES  # + the step the sync proves
 
 
+def test_authors_first_entry_equals_explicit_factor_training():
+    """first_rank="full" (the authors' code): only-b, SGD with momentum and weight decay, through warm-up, an
+    untruncated first phase, two syncs and the truncated re-bases after them, against explicit factors."""
+    for r in run_ranks(_equivalence, 2, timeout=240, settings={"mode": "only-b", "first_rank": "full"}, steps=16):
+        assert r["syncs"] == 2
+        ab_ranks = [ranks for _, phase, _, ranks in r["log"] if phase == "ab"]
+        assert ab_ranks[0] == {"0.weight": 12, "2.weight": 8}  # the first phase: every component
+        assert ab_ranks[-1]["0.weight"] < 12 and ab_ranks[-1]["2.weight"] < 8  # the re-basis cut
+
+
 # --------------------------------------------------------------------------
 # rank agreement, conv models, consistency, state rule, resume
 # --------------------------------------------------------------------------

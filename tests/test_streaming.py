@@ -19,7 +19,8 @@ from tests.test_outer import SGD, _batch, _net, _qsr_run
 def _reference(steps, period, lr, mu, tau, frags, merge="progress", alpha=1.0):
     """Streaming DiLoCo written out from the docstring of commhooks.algorithms.streaming, independently of
     it: fragments as equal element ranges of the flat model, sent after step ceil(period*(k+1)/frags) of
-    each round, averaged by a hand-made all_gather, landing tau steps later (never after ``steps``)."""
+    each round, averaged by a hand-made all_gather, landing tau steps later (never after ``steps``); the
+    last round ends with a blocking sync of every fragment."""
     rank, world = dist.get_rank(), dist.get_world_size()
     net = _net()
     opt = torch.optim.SGD(net.parameters(), **SGD)
@@ -63,8 +64,11 @@ def _reference(steps, period, lr, mu, tau, frags, merge="progress", alpha=1.0):
         for k in sorted(k for k, f in flying.items() if f[1] <= s):
             land(k)
         r = (s - 1) % period + 1
+        if s == steps:
+            for k in sorted(flying):
+                land(k)
         for k in range(frags):
-            if max(1, math.ceil(period * (k + 1) / frags)) != r:
+            if max(1, math.ceil(period * (k + 1) / frags)) != r and s != steps:
                 continue
             if k in flying:
                 land(k)
@@ -98,6 +102,21 @@ def _in_flight_trace(conf, steps):
     return trace
 
 
+def _forced_sync(conf, steps):
+    """``steps`` steps with syncs in flight, then ``state.sync()`` (as after a loop without total_steps)."""
+    net = DDP(_net(), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), **SGD)
+    state = commhooks.ddp.register(net, opt, conf)
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = _batch(step, dist.get_rank())
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+    before = (sorted(state.outer.in_flight), state.in_sync_at())
+    state.sync()
+    return before, state.in_sync_at(), torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
 def _worker(rank, world):
     out = {}
     # overlap, the issue's merge: synced weights + every local step made in flight; with check_every=1 the
@@ -109,7 +128,7 @@ def _worker(rank, world):
     conf = _qsr(4, 12, overlap_steps=1, overlap_merge="mix", overlap_alpha=0.5, fragments=2)
     out["mix"] = (_qsr_run(conf, 12)[0], _reference(12, 4, 1.0, 0.0, 1, 2, "mix", 0.5))
     # fragments staggered over a blocking period, with the outer optimizer; bytes per fragment
-    conf = _qsr(6, 12, outer_lr=0.7, outer_momentum=0.9, fragments=3)
+    conf = _qsr(6, 12, outer_lr=0.7, outer_momentum=0.9, fragments=3, check_every=1)
     weights, state = _qsr_run(conf, 12)
     out["fragments"] = (weights, _reference(12, 6, 0.7, 0.9, 0, 3), state.meter.by_tag(), state.syncs)
     # torchft's choice: alpha 0 drops the in-flight steps
@@ -119,6 +138,10 @@ def _worker(rank, world):
     conf = _qsr(4, 16, outer_lr=0.7, outer_momentum=0.9, payload="int8", error_feedback=True, overlap_steps=2,
                 fragments=2)
     out["resume"] = (_qsr_run(conf, 16)[0], _qsr_run(conf, 16, resume_at=5)[0])
+    # no total_steps: after the loop, state.sync() lands what is in flight and makes the ranks identical
+    conf = {"type": "qsr", "h_base": 4, "alpha": 0.0, "overlap_steps": 1, "overlap_merge": "mix",
+            "overlap_alpha": 0.5, "fragments": 2}
+    out["forced"] = _forced_sync(conf, 8)
     return out
 
 
@@ -141,9 +164,11 @@ def test_streamed_sync_equals_the_written_out_reference(results, case):
 def test_overlapped_syncs_stay_in_flight_and_the_last_lands_at_total_steps(results):
     for r in results:  # sent after steps 4 and 8, landing 2 steps later; the last (step 12) lands at once
         assert r["trace"] == [[], [], [], [0], [0], [], [], [0], [0], [], [], []]
-    # after the last round every rank holds the same weights, though the merges kept local progress
-    a, b = results[0]["progress"][0], results[1]["progress"][0]
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    # after the last round every rank holds the same weights, though the merges kept local progress and the
+    # fragments moved on after their syncs
+    for case in ("progress", "mix", "fragments"):
+        a, b = results[0][case][0], results[1][case][0]
+        assert all(torch.equal(a[k], b[k]) for k in a), case
 
 
 def test_fragments_send_their_share_of_the_bytes(results):
@@ -153,8 +178,18 @@ def test_fragments_send_their_share_of_the_bytes(results):
         assert syncs == 2
         sent = {t: b for t, b in tags.items() if t.startswith("sync-f")}
         assert sorted(sent) == ["sync-f0", "sync-f1", "sync-f2"]
-        assert sum(sent.values()) == syncs * (4 * numel + 3 * STEP_PROOF_BYTES)
-        assert max(sent.values()) - min(sent.values()) <= 2 * 4  # equal thirds, up to an element each
+        # each round sends every fragment once; the last one ends with a blocking sync of all three, so
+        # fragments 0 and 1 (sent at steps 8 and 10) go again at step 12
+        edges = [numel * k // 3 for k in range(4)]
+        sizes = [edges[k + 1] - edges[k] for k in range(3)]
+        assert [sent[f"sync-f{k}"] for k in range(3)] == [
+            times * (4 * n + STEP_PROOF_BYTES) for times, n in zip((3, 3, 2), sizes)]
+
+
+def test_a_forced_sync_lands_what_is_in_flight_and_makes_the_ranks_identical(results):
+    (before0, at0, w0), (before1, at1, w1) = (r["forced"] for r in results)
+    assert before0 == before1 == ([1], None)  # fragment 1, sent at step 8, in flight; never identical before
+    assert at0 == at1 == 8 and torch.equal(w0, w1)
 
 
 def test_exact_resume_with_a_sync_in_flight(results):

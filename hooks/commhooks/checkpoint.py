@@ -93,7 +93,7 @@ def _atomic_save(obj, path: Path) -> None:
 
 
 def _just_synced(state, step: int) -> bool:
-    return bool(state is not None and getattr(state, "sync_steps", None) and state.sync_steps[-1] == step)
+    return bool(state is not None and hasattr(state, "in_sync_at") and state.in_sync_at() == step)
 
 
 def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, step: Optional[int] = None,

@@ -496,8 +496,13 @@ class AlgorithmState:
     def final_sync(self) -> None:
         """At the end of a Join context (every rank calls it): sync if the last round was left open."""
         self.joined = False
-        if self.step and (not self.sync_steps or self.sync_steps[-1] != self.step):
+        if self.step and self.in_sync_at() != self.step:
             self.sync()
+
+    def in_sync_at(self) -> Optional[int]:
+        """The optimizer step right after which every rank last held the same weights (a complete sync);
+        ``None`` before the first.  Checkpoints marked ``synced`` and the end of a Join rely on it."""
+        return self.sync_steps[-1] if self.sync_steps else None
 
     # ---------------------------------------------------------- lifecycle
     def remove(self) -> None:

@@ -194,6 +194,9 @@ class QSRState(AlgorithmState):
             lambda: OuterSync(c.outer_lr, c.outer_momentum, c.outer_nesterov, c.payload, c.payload_block,
                               c.error_feedback),
             c.overlap_merge, c.overlap_alpha) if c.pseudo_gradient else None
+        self.streaming = c.overlap_steps > 0 or c.fragments > 1  # rounds that do not end with identical weights
+        self._complete_at: Optional[int] = None  # last step after which every rank held the same weights
+        self._check_streaming()
         if self.engine.buffers_synced_each_forward and float_buffers(self.module):
             warnings.warn(
                 "the DDP model re-broadcasts buffers from rank 0 on every forward "
@@ -202,6 +205,23 @@ class QSRState(AlgorithmState):
                 "(torch>=2.13) or broadcast_buffers=False, QSR averages buffers at each sync",
                 stacklevel=3,
             )
+
+    def _check_streaming(self) -> None:
+        """Local checks of overlap_steps / fragments against the tensors (ConfigError on every rank alike)."""
+        c = self.config
+        if c.fragments > 1:
+            numel = sum(p.numel() for _, p in self.named_params)
+            if c.fragments > numel:
+                raise ConfigError(f"qsr.fragments must be <= the {numel} synced elements, got {c.fragments}")
+            bent = [n for n, p in self.named_params if not p.is_contiguous()]
+            if bent:
+                raise ConfigError(f"qsr.fragments > 1 needs contiguous parameters (a fragment is a view of them); "
+                                  f"not contiguous: {bent[:4]} (e.g. channels_last): use fragments 1")
+        if c.overlap_steps and c.total_steps is None:
+            warnings.warn(
+                f"QSR: overlap_steps={c.overlap_steps} and total_steps is not set: the last sync of the run lands only "
+                "if training goes on; call state.sync() after the loop (it lands what is in flight and syncs), or "
+                "set total_steps", stacklevel=4)
 
     def describe(self) -> dict:
         return {"replica_groups": self.replica_ranks}
@@ -270,7 +290,11 @@ class QSRState(AlgorithmState):
             return
         for k in self.outer.due(self.step):  # syncs sent overlap_steps ago land now
             self._apply_fragment(k)
-        if self.since_sync >= self.H:
+        last = self.config.total_steps is not None and self.step >= self.config.total_steps
+        if self.since_sync >= self.H and last and self.streaming:  # the run ends with identical weights
+            self.flush()
+            self._end_round(range(len(self.outer.outers)), blocking=True)
+        elif self.since_sync >= self.H:
             self._end_round(send_points(self.H, len(self.outer.outers)).get(self.since_sync, []))
         else:
             for k in send_points(self.H, len(self.outer.outers)).get(self.since_sync, []):
@@ -300,6 +324,7 @@ class QSRState(AlgorithmState):
             self.flush()
             self._end_round(range(len(self.outer.outers)), blocking=True)
             return
+        self.refresh_parameters()  # parameters unfrozen or added to the optimizer since: synced from now on
         named = self.sync_named()
         if self.shards is None:
             self.average([t for _, t in named], tag="sync")
@@ -325,6 +350,7 @@ class QSRState(AlgorithmState):
             raise ConfigError("QSR with outer_lr / outer_momentum / payload / overlap_steps / fragments: parameters "
                               "added or unfrozen during training are not supported (the anchor covers the "
                               "parameters of the first step)")
+        fragments = list(fragments)
         for k in fragments:
             self._send_fragment(k, blocking=blocking)
         own = {id(p) for _, p in self.named_params}
@@ -335,6 +361,8 @@ class QSRState(AlgorithmState):
             self.average(moments, group=self.shards, tag="sync-moments")
         self.since_sync = 0
         self.H = None
+        if blocking and len(fragments) == len(self.outer.outers) or not self.streaming:
+            self._complete_at = self.step
         self.synced(group=self.shards)
 
     def _send_fragment(self, k: int, blocking: bool = False) -> None:
@@ -353,7 +381,7 @@ class QSRState(AlgorithmState):
 
     def _apply_fragment(self, k: int) -> None:
         with self.collective_context():
-            proofs, sent_at = self.outer.apply(k, self._params())
+            proofs, sent_at = self.outer.apply(k, self._params(), self.step)
         self.check_proof(proofs, self.shards, "sync", step=sent_at)
         self.tensors_changed()
 
@@ -361,8 +389,9 @@ class QSRState(AlgorithmState):
         return [p for _, p in self.named_params]
 
     def flush(self) -> None:
-        """Land every sync still in flight now (before a forced sync, at the end of a Join, before
-        evaluation if you want the synced weights)."""
+        """Land every sync still in flight now (a forced sync and the end of a Join do it first).  Each rank
+        keeps its local progress (``overlap_merge``): for identical weights call :meth:`sync`.  Collective:
+        every rank calls it at the same step (as checkpoints are)."""
         if self.outer is not None:
             for k in sorted(self.outer.in_flight):
                 self._apply_fragment(k)
@@ -371,15 +400,20 @@ class QSRState(AlgorithmState):
         self.flush()
         super().final_sync()
 
+    def in_sync_at(self) -> Optional[int]:
+        """Streamed rounds (overlap, fragments) end with the ranks' weights apart: only a blocking sync of every
+        fragment (the last round of ``total_steps``, a forced :meth:`sync`) makes them identical."""
+        return self._complete_at if self.streaming else super().in_sync_at()
+
     def identical_named(self) -> List[Tuple[str, torch.Tensor]]:
-        """With overlapped syncs the ranks keep their local progress: the anchors are what agree."""
-        if self.outer is None or not self.config.overlap_steps:
+        """With overlapped or fragmented syncs the ranks keep their local progress: the anchors are what agree."""
+        if self.outer is None or not self.streaming:
             return self.sync_named()
         own = {id(p) for _, p in self.named_params}
         return self.outer.anchors() + [(n, t) for n, t in self.sync_named() if id(t) not in own]
 
     def algorithm_state_dict(self) -> dict:
-        state = {"since_sync": self.since_sync, "H": self.H}
+        state = {"since_sync": self.since_sync, "H": self.H, "complete_at": self._complete_at}
         if self.outer is not None:
             state["outer"] = self.outer.state_dict()
         return state
@@ -387,6 +421,7 @@ class QSRState(AlgorithmState):
     def load_algorithm_state_dict(self, state: dict) -> None:
         self.since_sync = int(state["since_sync"])
         self.H = None if state["H"] is None else int(state["H"])
+        self._complete_at = state.get("complete_at")
         if self.outer is not None:
             self.outer.load_state_dict(state["outer"])
 

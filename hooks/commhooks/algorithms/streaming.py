@@ -30,14 +30,15 @@ into F contiguous runs of equal size (a run may end inside a tensor); in a round
 the round's end), so the link carries ``1/F`` of the model at a time and a
 short overlap suffices to hide each piece.  Each fragment has its own
 anchor, outer momentum and error-feedback residual: the outer step is
-element-wise, so F fragments synced together equal one sync of the whole.
+element-wise, so F fragments synced together equal one sync of the whole
+(exactly in fp32; int8's scale blocks restart at each fragment's start).
 
 Rules that keep every rank on the same schedule: a fragment whose previous
 sync is still in flight is applied before it is sent again (so ``tau``
 longer than a period shrinks to the period); an apply never lands after
-``total_steps`` (the last round ends synced); :meth:`StreamedSyncs.flush`
-applies everything in flight (a forced ``sync()``, the end of a Join, a
-checkpoint).  A checkpoint taken while syncs are in flight waits for their
+``total_steps``, and the last round there ends with a blocking sync of every
+fragment (identical weights); ``QSRState.flush`` lands everything in flight
+(a forced ``sync()`` and the end of a Join start with it).  A checkpoint taken while syncs are in flight waits for their
 results and saves them with the step they apply at: resume is exact.
 
 Tuning: tau should cover the sync's transfer time in steps of compute
@@ -135,14 +136,16 @@ class StreamedSyncs:
         """Fragments whose sync applies at or before ``step`` (in fragment order)."""
         return sorted(k for k, f in self.in_flight.items() if f.apply_at <= step)
 
-    def apply(self, k: int, tensors: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, int]:
-        """Wait for fragment ``k``'s sync and apply it; returns (mean proof, step it was sent at)."""
+    def apply(self, k: int, tensors: Sequence[torch.Tensor], step: int) -> Tuple[torch.Tensor, int]:
+        """Wait for fragment ``k``'s sync and apply it at optimizer ``step``; returns (mean proof, step it was
+        sent at).  Landing at the step it was sent (a flush right after), nothing moved: the anchor, as for a
+        blocking sync."""
         flight = self.in_flight.pop(k)
         mean, proofs = flight.wait()
         mine = self.tensors(k, tensors)
         device = mine[0].device
         self.outers[k]._to(device)  # after a load onto the CPU
-        sent_from = flight.sent_from.to(device) if flight.apply_at > flight.sent_at else None
+        sent_from = flight.sent_from.to(device) if step > flight.sent_at else None
         self.outers[k].apply(mean.to(device), mine, sent_from, self.merge, self.alpha)
         return proofs, flight.sent_at
 
@@ -150,7 +153,9 @@ class StreamedSyncs:
         return [(f"anchor{k}", o.anchor) for k, o in enumerate(self.outers)]
 
     def state_dict(self) -> dict:
-        """Outer states, and the syncs in flight with their results (waited for: they are in the network)."""
+        """Outer states, and the syncs in flight with their results (waited for: they are in the network).
+        Collective in effect: every rank must call it at the same step (checkpoints are), or the ranks'
+        later collectives pair up differently."""
         flights = {}
         for k, f in self.in_flight.items():
             mean, proofs = f.wait()
@@ -159,6 +164,11 @@ class StreamedSyncs:
         return {"outers": [o.state_dict() for o in self.outers], "in_flight": flights}
 
     def load_state_dict(self, state: dict) -> None:
+        if "outers" not in state:  # saved before fragments existed: one outer state
+            state = {"outers": [state], "in_flight": {}}
+        if len(state["outers"]) != len(self.outers):
+            raise ValueError(f"the checkpoint holds {len(state['outers'])} fragments' outer state, this state has "
+                             f"{len(self.outers)} (qsr.fragments changed?)")
         for outer, saved in zip(self.outers, state["outers"]):
             outer.load_state_dict(saved)
         self.in_flight = {int(k): InFlight(int(f["sent_at"]), int(f["apply_at"]), f["sent_from"].clone(),

@@ -53,7 +53,7 @@ class TorchComm(Comm):
 
     def _allgather_flat(self, flat: torch.Tensor, group: Group, async_op: bool = False):
         out = flat.new_empty(flat.numel() * group.size)
-        work = dist.all_gather_single(out, flat, group=group.handle, async_op=True)
+        work = dist.all_gather_into_tensor(out, flat, group=group.handle, async_op=True)
         if async_op:
             return lambda: (self._wait(work), out)[1]
         self._wait(work)

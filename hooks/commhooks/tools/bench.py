@@ -55,7 +55,17 @@ METHODS: Dict[str, List[str]] = {
     "qsr-diloco-int8-overlap": ["--config", "configs/qsr_diloco_int8_overlap_mnist1d.json"],
     "compute-only": ["--hook", "compute-only"],
 }
+# --model gpt: the same methods with configs sized for the GPT workload (300 steps, lr warm-up 50)
+GPT_CONFIGS = {"qsr": "configs/qsr_gpt.json", "ab-groups": "configs/ab_gpt.json", "ab-x-qsr": "configs/abqsr_gpt.json"}
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
+
+
+def method_argv(name: str, model: str) -> List[str]:
+    """The trainer's arguments for ``name``; a GPT run swaps in the GPT config where one exists."""
+    argv = list(METHODS[name])
+    if model == "gpt" and name in GPT_CONFIGS:
+        argv[argv.index("--config") + 1] = GPT_CONFIGS[name]
+    return argv
 
 
 class LabError(RuntimeError):
@@ -194,9 +204,9 @@ class NetnsLab:
 def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Path, timeout: float) -> Dict[str, List[dict]]:
     """All methods at one link setting, one after the other, in one process group: per method, the per-rank summaries."""
     common = ["--steps", str(args.steps), "--model", args.model, "--seed", str(args.seed), "--no-progress"]
-    repeats = max(1, getattr(args, "repeats", 1))
+    repeats = getattr(args, "repeats", 1)
     runs_of = {name: [name] + [f"{name}#{k}" for k in range(1, repeats)] for name in methods}
-    spec = {run: METHODS[name] + common + ["--label", name, "--json-out", str(out / f"{run}.rank{{rank}}.json")]
+    spec = {run: method_argv(name, args.model) + common + ["--label", name, "--json-out", str(out / f"{run}.rank{{rank}}.json")]
             for k in range(repeats) for name in methods for run in [runs_of[name][k]]}  # repeats interleaved
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
@@ -213,7 +223,8 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
                        GLOO_SOCKET_IFNAME=lab.iface(r), COMMHOOKS_WIRE_IFACE=lab.iface(r))
             cmd = ["ip", "netns", "exec", lab.ns(r), *cmd]
         else:
-            env.update(MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(args.ranks))
+            per_node = args.ranks // (args.nodes or 1)  # loopback: --nodes still sets the node size (the groups)
+            env.update(MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(r % per_node), LOCAL_WORLD_SIZE=str(per_node))
         log = out / f"worker-rank{r}.log"
         logs.append(log)
         with open(log, "w") as f:  # each worker leads its own process group: ended as a whole below
@@ -273,7 +284,7 @@ def worker(spec_file: str) -> int:
         margs = train.parse_args(argv)
         s = train.train_once(margs, rank, world, mean_over_ranks)
         if rank == 0:
-            print(f"[bench] {name:<15}: acc {s['test_acc']:.4f}  {s['step_ms']:8.2f} ms/step  "
+            print(f"[bench] {name:<15}: {train.quality(s)}  {s['step_ms']:8.2f} ms/step  "
                   f"payload {s['payload_bytes_per_rank'] / 1e6:8.2f} MB  ({time.perf_counter() - t0:.0f} s)", flush=True)
     finish()
     return 0
@@ -295,6 +306,8 @@ def summarize(runs: Dict[str, List[dict]], per_node: int = 1) -> dict:
     return {
         "wire_tx_bytes_per_node": node_tx if per_node > 1 else None,
         "test_acc": first[0]["test_acc"],
+        "val_loss": first[0].get("val_loss"),  # --model gpt
+        "val_ppl": first[0].get("val_ppl"),
         "train_loss": first[0]["train_loss"],
         "payload_bytes_per_rank": mean([r["payload_bytes_per_rank"] for r in first]),
         "meter_bytes_per_rank": mean([r["bytes_per_rank"] for r in first]),
@@ -304,15 +317,21 @@ def summarize(runs: Dict[str, List[dict]], per_node: int = 1) -> dict:
     }
 
 
+def quality_metric(results: dict) -> str:
+    """``test_acc`` (MNIST-1D) or ``val_loss`` (GPT): the column the table and the plot show."""
+    return "val_loss" if results["setup"].get("model") == "gpt" else "test_acc"
+
+
 def table(results: dict) -> str:
     methods, bws = results["methods"], results["setup"]["bandwidths"]
     ddp, floor = methods.get("ddp"), methods.get("compute-only")
-    head = ["method", "test acc", "payload/rank", "vs DDP", "wire tx/rank"]
+    metric = quality_metric(results)
+    head = ["method", metric.replace("_", " "), "payload/rank", "vs DDP", "wire tx/rank"]
     head += [f"ms/step {bw}" for bw in bws] + [f"vs compute-only {bws[-1]}", f"vs DDP {bws[-1]}", f"overhead vs DDP {bws[0]}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in methods.items():
         payload = m["payload_bytes_per_rank"]
-        row = [name, f"{m['test_acc']:.4f}", f"{payload / 1e6:.2f} MB",
+        row = [name, f"{m[metric]:.4f}", f"{payload / 1e6:.2f} MB",
                f"{payload / ddp['payload_bytes_per_rank']:.3f}" if ddp and ddp["payload_bytes_per_rank"] else "-",
                "-" if m["wire_tx_bytes_per_rank"] is None else f"{m['wire_tx_bytes_per_rank'] / 1e6:.2f} MB"]
         row += [f"{m['step_ms'][bw]:.2f}" for bw in bws]
@@ -331,15 +350,17 @@ def plots(results: dict, out: Path) -> List[str]:
     import matplotlib.pyplot as plt
 
     methods, bws = results["methods"], results["setup"]["bandwidths"]
+    metric = quality_metric(results)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, m in methods.items():
         if m["payload_bytes_per_rank"]:
-            ax.scatter(m["payload_bytes_per_rank"] / 1e6, m["test_acc"], s=40)
-            ax.annotate(name, (m["payload_bytes_per_rank"] / 1e6, m["test_acc"]), fontsize=8, xytext=(4, 2), textcoords="offset points")
+            ax.scatter(m["payload_bytes_per_rank"] / 1e6, m[metric], s=40)
+            ax.annotate(name, (m["payload_bytes_per_rank"] / 1e6, m[metric]), fontsize=8, xytext=(4, 2), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_xlabel("payload sent per rank over the run (MB, log)")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(f"MNIST-1D {results['setup']['model']}, {results['setup']['ranks']} ranks, {results['setup']['steps']} steps")
+    ax.set_ylabel("test accuracy" if metric == "test_acc" else "validation loss (nats/byte)")
+    workload = "byte-level GPT" if metric == "val_loss" else "MNIST-1D"
+    ax.set_title(f"{workload} {results['setup']['model']}, {results['setup']['ranks']} ranks, {results['setup']['steps']} steps")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "accuracy_vs_bytes.png", dpi=120)
@@ -369,8 +390,9 @@ def parse_args(argv=None):
     p.add_argument("--nodes", type=int, default=None,
                    help="simulated nodes (default: one per rank): a node's ranks share one namespace and one "
                         "rate-limited link; inside it they talk unlimited. AB's and QSR's node-sized groups follow")
-    p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 1200; gpt 300)")
+    p.add_argument("--model", choices=("cnn", "mlp", "gpt"), default="cnn",
+                   help="cnn / mlp: MNIST-1D; gpt: the byte-level GPT (validation loss instead of accuracy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
                    help="run each method this many times per link setting, interleaved; step time = the median")
@@ -383,6 +405,10 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds for all methods at one link setting")
     p.add_argument("--quick", action="store_true", help="20 steps, loopback, unlimited only (a smoke test)")
     args = p.parse_args(argv)
+    args.repeats = max(1, args.repeats)
+    args.timeout *= args.repeats  # the limit is per link setting, for every run of every method
+    if args.steps is None:
+        args.steps = 300 if args.model == "gpt" else 1200
     if args.quick:
         args.steps, args.netns, args.bandwidths = min(args.steps, 20), "off", "unlimited"
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]

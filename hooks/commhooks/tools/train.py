@@ -1,4 +1,5 @@
-"""Reference trainer: MNIST-1D across the ranks of whatever launcher started it.
+"""Reference trainer: MNIST-1D (or, with ``--model gpt``, a byte-level GPT) across the ranks of whatever
+launcher started it.
 
     torchrun --standalone --nproc_per_node 2 -m commhooks.tools.train --hook qsr --config configs/qsr_mnist1d.json
     deepspeed --num_gpus 2 --module commhooks.tools.train --backend deepspeed --deepspeed_config configs/ds_ab_mnist1d.json
@@ -23,7 +24,6 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import config as cfg
@@ -31,11 +31,10 @@ from .. import ddp as ddp_adapter
 from .. import registry
 from ..checkpoint import load_checkpoint, save_checkpoint
 from .anchors import ANCHORS, register_anchor
-from .data import load_mnist1d, rank_batches
 from ..algorithms.base import AlgorithmState
 from ..launch import LaunchError, init_distributed, shutdown
 from .measure import PayloadCounter, iface_bytes
-from .models import build_model
+from .workloads import build_workload
 
 HOOKS = ("none", *registry.names()) + ANCHORS
 
@@ -51,11 +50,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
                    help="DeepSpeed JSON; its \"comm_hook\" section, if any, chooses the hook (--backend deepspeed)")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
-    p.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
+    p.add_argument("--model", choices=("cnn", "mlp", "gpt"), default="cnn",
+                   help="cnn / mlp: MNIST-1D (quick); gpt: a ~2.4M-parameter byte-level GPT on Python source "
+                        "(validation loss instead of accuracy)")
+    p.add_argument("--context", type=int, default=64, help="--model gpt: bytes per sequence")
+    p.add_argument("--clip", type=float, default=None,
+                   help="gradient clipping (max global norm; default 1.0 for gpt, none for cnn/mlp; 0 = off)")
+    p.add_argument("--autocast", choices=("auto", "bf16", "none"), default="auto",
+                   help="bf16 autocast of the forward pass; auto = bf16 for gpt on CUDA only (this trainer's CPU "
+                        "bf16 is ~12x slower than fp32 on CPUs without bf16 units)")
     p.add_argument("--steps", type=int, default=1200, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--batch-size", type=int, default=None, help="per rank (default 32; gpt 8 sequences)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
-    p.add_argument("--lr", type=float, default=0.003, help="peak learning rate")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 0.003; gpt 0.002)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD only")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--lr-warmup", type=int, default=50, help="linear lr warm-up steps before the cosine decay")
@@ -75,12 +82,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--log-every", type=int, help="the hook's log_every: one line every N steps on rank 0 (0 = off)")
     args = p.parse_args(argv)
+    if args.batch_size is None:
+        args.batch_size = 8 if args.model == "gpt" else 32
     if args.steps < 1 or args.batch_size < 1:
         p.error("--steps and --batch-size must be >= 1")
     if args.log_every is not None and args.log_every < 0:
         p.error(f"--log-every must be >= 0 (0 = off), got {args.log_every}")
     if args.hook in ANCHORS and args.backend != "ddp":
         p.error(f"--hook {args.hook} is PyTorch's own DDP hook: use --backend ddp")
+    if args.clip is None:
+        args.clip = 1.0 if args.model == "gpt" else 0.0
+    if args.clip < 0:
+        p.error(f"--clip must be >= 0 (0 = off), got {args.clip}")
+    if args.clip and args.backend == "horovod":
+        p.error("--clip with --backend horovod: Horovod averages gradients inside optimizer.step(), after any "
+                "clipping here; use --clip 0 (or --backend ddp / deepspeed)")
+    if args.lr is None:
+        args.lr = 0.002 if args.model == "gpt" else 0.003
     return args
 
 
@@ -97,6 +115,7 @@ def cosine_with_warmup(optimizer, warmup: int, total: int):
 
 
 def build_optimizer(name: str, params, lr: float, momentum: float, weight_decay: float):
+    """``params``: parameters or param groups (each group's own ``weight_decay`` wins)."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
@@ -135,15 +154,6 @@ def fill_total_steps(conf, steps: int, log_every: Optional[int] = None):
     return conf
 
 
-@torch.no_grad()
-def accuracy(model, x, y) -> float:
-    model.eval()
-    dtype = next(model.parameters()).dtype  # DeepSpeed's bf16/fp16 engines hold the model in that precision
-    acc = (model(x.to(dtype)).float().argmax(1) == y).float().mean().item()
-    model.train()
-    return acc
-
-
 def deepspeed_config(args, conf) -> dict:
     """The DeepSpeed config: the file's (whose ``comm_hook`` section wins), completed from the command line."""
     from .. import deepspeed as ds_adapter
@@ -151,7 +161,7 @@ def deepspeed_config(args, conf) -> dict:
     ds = ds_adapter.read_ds_config(args.deepspeed_config)
     ds.setdefault("train_micro_batch_size_per_gpu", args.batch_size)
     ds.setdefault("gradient_accumulation_steps", 1)
-    ds.setdefault("gradient_clipping", 0.0)  # DeepSpeed's default is 1.0; 0 compares like with like against DDP
+    ds.setdefault("gradient_clipping", args.clip)  # DeepSpeed's default is 1.0; --clip compares like with like
     ds["comm_hook"] = cfg.to_dict(conf)
     if conf is not None:
         ds_adapter.check_supported(ds)
@@ -171,13 +181,14 @@ def resolve_hook(args):
     return hook_config(args)
 
 
-def build_trainer(args, model, conf):
+def build_trainer(args, model, conf, workload):
     """(train_step, state, micro_batch, accumulation) for the chosen engine; train_step takes micro-batches."""
     micro, accumulation = args.batch_size, 1
     backward = lambda loss: loss.backward()  # noqa: E731
     if args.backend == "ddp":
         net = wrap_ddp(model, local_buffers=conf is not None)
-        optimizer = build_optimizer(args.optimizer, net.parameters(), args.lr, args.momentum, args.weight_decay)
+        optimizer = build_optimizer(args.optimizer, workload.param_groups(model, args.weight_decay), args.lr,
+                                    args.momentum, args.weight_decay)
         if args.hook in ANCHORS:
             state = register_anchor(args.hook, net, optimizer, args.powersgd_rank, args.local_sgd_period, args.anchor_start)
         else:
@@ -190,7 +201,8 @@ def build_trainer(args, model, conf):
 
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         optimizer = hvd_adapter.DistributedOptimizer(
-            build_optimizer(args.optimizer, model.parameters(), args.lr, args.momentum, args.weight_decay),
+            build_optimizer(args.optimizer, workload.param_groups(model, args.weight_decay), args.lr, args.momentum,
+                            args.weight_decay),
             named_parameters=model.named_parameters(), hook=conf, model=model)
         state = getattr(optimizer, "comm_hook_state", None)  # None: Horovod's own allreduce, unmetered
         forward, step = model, lambda: optimizer.step()
@@ -200,7 +212,8 @@ def build_trainer(args, model, conf):
         # DeepSpeed JIT-compiles its ops on first use: keep them in the project's cache, not ~/.cache
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(args.cache_dir).resolve() / "torch_extensions"))
         ds = deepspeed_config(args, conf)
-        optimizer = build_optimizer(args.optimizer, model.parameters(), args.lr, args.momentum, args.weight_decay)
+        optimizer = build_optimizer(args.optimizer, workload.param_groups(model, args.weight_decay), args.lr,
+                                    args.momentum, args.weight_decay)
         engine, *_ = ds_adapter.initialize(model=model, optimizer=optimizer, config=ds)
         state = engine.comm_hook_state
         forward, backward, step = engine, engine.backward, engine.step
@@ -210,17 +223,23 @@ def build_trainer(args, model, conf):
     if isinstance(state, AlgorithmState):
         scheduler = state.wrap_scheduler(scheduler)
 
+    bf16 = args.autocast == "bf16" or (args.autocast == "auto" and args.model == "gpt" and torch.cuda.is_available())
+
     def train_step(batches):
         losses = []
         if args.backend != "deepspeed":
             optimizer.zero_grad(set_to_none=True)
         for x, y in batches:
-            loss = F.cross_entropy(forward(x.to(dtype)).float(), y)
+            with torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = forward(workload.inputs(x, dtype))
+            loss = workload.loss(out, y)
             backward(loss)
             if args.backend == "deepspeed":
-                step()  # DeepSpeed counts micro-steps; the boundary one updates
+                step()  # DeepSpeed counts micro-steps; the boundary one updates (and clips: gradient_clipping)
             losses.append(loss.item())
         if args.backend != "deepspeed":
+            if args.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             step()
         scheduler.step()
         return sum(losses) / len(losses), scheduler.get_last_lr()[0]
@@ -258,9 +277,9 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
     """One training run on ranks that are already up (the benchmark runs several in one process group)."""
     conf = resolve_hook(args) if conf is None else conf
     torch.manual_seed(args.seed)
-    data = load_mnist1d(Path(args.cache_dir), seed=args.data_seed)
-    model = build_model(args.model)
-    train_step, state, micro, accumulation, optimizer, scheduler = build_trainer(args, model, conf)
+    workload = build_workload(args)
+    model = workload.model()
+    train_step, state, micro, accumulation, optimizer, scheduler = build_trainer(args, model, conf, workload)
     first_step = 0
     if args.checkpoint_dir:
         ck = load_checkpoint(args.checkpoint_dir, model, optimizer, state, scheduler)
@@ -275,14 +294,13 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
 
         progress = tqdm(total=args.steps, desc=args.label or args.hook, leave=False, file=sys.stderr, mininterval=1.0)
     losses = []
-    batches = rank_batches(len(data["y"]), micro, rank, world, args.seed, start_step=first_step * accumulation)
+    batches = workload.batches(micro, rank, world, args.seed, first_step * accumulation)
     wire_before = iface_bytes(args.wire_iface)
     counter = PayloadCounter()
     start = time.perf_counter()
     with counter:  # every torch.distributed collective of the run, whoever issues it
         for step in range(first_step, args.steps):
-            chunk = [next(batches)[1] for _ in range(accumulation)]
-            loss, lr = train_step([(data["x"][idx], data["y"][idx]) for idx in chunk])
+            loss, lr = train_step([next(batches) for _ in range(accumulation)])
             losses.append(loss)
             if args.checkpoint_dir and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
                 save_checkpoint(args.checkpoint_dir, model, optimizer, state, scheduler, step=step + 1)
@@ -302,7 +320,8 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         "model": args.model,
         "ranks": world,
         "steps": args.steps,
-        "test_acc": round(accuracy(model, data["x_test"], data["y_test"]), 4),
+        "test_acc": None,  # MNIST-1D; the GPT workload reports val_loss / val_ppl
+        **workload.evaluate(model),
         "train_loss": round(tail.item(), 4),
         "backend": args.backend,
         "bytes_per_rank": state.meter.bytes() if hasattr(state, "meter") else None,  # commhooks' meter
@@ -334,10 +353,17 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
 def format_summary(s: dict) -> str:
     nbytes = "unmetered" if s["bytes_per_rank"] is None else f"{s['bytes_per_rank'] / 1e6:.2f}MB"
     return (
-        f"[commhooks] {s['label']}: test_acc={s['test_acc']:.4f} train_loss={s['train_loss']:.4f} "
+        f"[commhooks] {s['label']}: {quality(s)} train_loss={s['train_loss']:.4f} "
         f"bytes/rank={nbytes} syncs={s['syncs']} steps={s['steps']} "
         f"ranks={s['ranks']} wall={s['wall_s']:.1f}s"
     )
+
+
+def quality(s: dict) -> str:
+    """The run's quality figure: test accuracy (MNIST-1D) or validation loss and perplexity (GPT)."""
+    if s.get("val_loss") is not None:
+        return f"val_loss={s['val_loss']:.4f} val_ppl={s['val_ppl']:.3f}"
+    return f"test_acc={s['test_acc']:.4f}"
 
 
 def show_hook_log() -> None:

@@ -59,6 +59,10 @@ class ABConfig(QuadraticRuleFields):
         "layers whose m*n / ((m+n)*k) is below this stay dense"))] = 2.0
     truncate_first: bool = Field(False, description=(
         "cut the first basis too (false: the first phase keeps the dropped part as a frozen residual)"))
+    first_rank: Literal["cut", "full"] = Field("cut", description=(
+        "cut: the first AB phase trains factors of the cut-off rank (see truncate_first); full: the authors' "
+        "code: untruncated factors in the first phase, the cut from the first re-basis on (layers are still "
+        "chosen by their cut-off rank's compression)"))
     rebound_steps: Annotated[int, Field(ge=0, description=(
         "LR rebound length after each phase switch (with commhooks.ab.LRRebound; paper: 267)"))] = 0
     sync_rule: Literal["fixed", "qsr"] = Field("fixed", description=(

@@ -186,9 +186,10 @@ class ABState(AlgorithmState):
     def _enter(self) -> None:
         """New bases (rank agreed as the MAX over ranks), W = A B, the factors' optimizer state cleared."""
         first = self.clock.entries == 0
-        keep_residual = first and not self.config.truncate_first
+        untruncated = first and self.config.first_rank == "full"
+        keep_residual = first and not self.config.truncate_first and not untruncated
         self.bases, self.ranks = transitions.enter(self.comm, self.candidates, self.config, keep_residual,
-                                              f"before step {self.step}")
+                                                   f"before step {self.step}", untruncated)
         if first and not self.bases:
             self._warn_nothing_compressed()
         clear_optimizer_state(self.optimizer, [self._param[n] for n in self.bases])

@@ -18,12 +18,14 @@ from .lowrank import Basis, basis_from_svd, choose_rank, compression_ratio, svd,
 
 @torch.no_grad()
 def enter(comm: Comm, candidates: Sequence[Tuple[str, torch.Tensor]], config: ABConfig, keep_residual: bool,
-          when: str) -> Tuple[Dict[str, Basis], Dict[str, Optional[int]]]:
+          when: str, untruncated: bool = False) -> Tuple[Dict[str, Basis], Dict[str, Optional[int]]]:
     """New bases for the compressible weights; W becomes A B (or A B + residual).
 
     The rank of each weight is agreed as the MAX over all ranks; a layer whose
     compression at that rank is below ``min_compression_rate`` stays dense
-    (rank ``None``).  Returns ``(bases, ranks)``.
+    (rank ``None``).  ``untruncated`` (the authors' first entry): a chosen
+    layer's factors keep every component (W = A B exactly).  Returns
+    ``(bases, ranks)``, ranks as trained.
     """
     nonfinite_anywhere(comm, candidates, f"AB re-basis {when}: the SVD needs finite weights")
     mats = [tall_view(p.data)[0] for _, p in candidates]
@@ -37,6 +39,8 @@ def enter(comm: Comm, candidates: Sequence[Tuple[str, torch.Tensor]], config: AB
         if compression_ratio(m, n, k) < config.min_compression_rate:
             ranks[name] = None
             continue
+        if untruncated:
+            k = s.numel()
         bases[name] = basis_from_svd(u, s, vh, k, mat.dtype)
         ranks[name] = k
     agree(comm, bases)

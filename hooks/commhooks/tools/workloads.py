@@ -1,0 +1,101 @@
+"""The trainer's two workloads: MNIST-1D classification (quick) and a byte-level GPT on Python source (real).
+
+A workload gives the model, this rank's micro-batches, the loss, the
+optimizer's parameter groups and the evaluation; the trainer, the engines
+and the hooks are the same for both.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Dict, Iterator, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .data import load_mnist1d, rank_batches
+from .models import GPT, build_model
+from .text import eval_windows, load_corpus, text_batches
+
+
+class MNIST1D:
+    """MNIST-1D (4000 train / 1000 test sequences, 10 classes) with the CNN or the MLP; quality: test accuracy."""
+
+    metric = "test_acc"
+
+    def __init__(self, args):
+        self.args = args
+        self.data = load_mnist1d(Path(args.cache_dir), seed=args.data_seed)
+
+    def model(self) -> torch.nn.Module:
+        return build_model(self.args.model)
+
+    def batches(self, micro: int, rank: int, world: int, seed: int, start: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        for _, idx in rank_batches(len(self.data["y"]), micro, rank, world, seed, start_step=start):
+            yield self.data["x"][idx], self.data["y"][idx]
+
+    @staticmethod
+    def inputs(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.to(dtype)  # DeepSpeed's bf16/fp16 engines hold the model in that precision
+
+    @staticmethod
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.float(), y)
+
+    def param_groups(self, model: torch.nn.Module, weight_decay: float) -> List[Dict]:
+        return [{"params": list(model.parameters()), "weight_decay": weight_decay}]
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> Dict[str, float]:
+        model.eval()
+        dtype = next(model.parameters()).dtype
+        acc = (model(self.data["x_test"].to(dtype)).float().argmax(1) == self.data["y_test"]).float().mean().item()
+        model.train()
+        return {"test_acc": round(acc, 4)}
+
+
+class Text:
+    """A byte-level GPT on twenty standard-library modules (:mod:`commhooks.tools.text`); quality: validation
+    loss (nats per byte) and perplexity on the held-out last 10 %.  AdamW decays matrices only."""
+
+    metric = "val_loss"
+
+    def __init__(self, args):
+        self.args = args
+        self.corpus = load_corpus()
+        self.context = args.context
+        self.val = eval_windows(self.corpus["val"], self.context)
+
+    def model(self) -> torch.nn.Module:
+        return GPT(context=self.context)
+
+    def batches(self, micro: int, rank: int, world: int, seed: int, start: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        for _, xy in text_batches(self.corpus["train"], micro, self.context, rank, world, seed, start_step=start):
+            yield xy
+
+    @staticmethod
+    def inputs(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x  # token ids
+
+    @staticmethod
+    def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    def param_groups(self, model: torch.nn.Module, weight_decay: float) -> List[Dict]:
+        """Weight decay on matrices (projections, the tied embedding), none on biases and LayerNorm gains."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module) -> Dict[str, float]:
+        model.eval()
+        x, y = self.val
+        loss = float(self.loss(model(x), y))
+        model.train()
+        return {"val_loss": round(loss, 4), "val_ppl": round(math.exp(loss), 3), "corpus_sha256": self.corpus["sha256"]}
+
+
+def build_workload(args):
+    return Text(args) if args.model == "gpt" else MNIST1D(args)

@@ -1,0 +1,71 @@
+"""The GPT workload: offline, deterministic corpus and batches; the model; the quick benchmark on 2 nodes."""
+
+import hashlib
+import time
+
+import torch
+
+from commhooks.tools import text
+from commhooks.tools.bench import METHODS
+from commhooks.tools.models import GPT
+from tests.test_bench import bench
+
+FIRST_BATCH_SHA256 = "949138ae82076082"  # seed 0, rank 0, batch 8 x 64 on CPython 3.11.7's text
+
+
+def test_corpus_is_offline_and_identified_by_its_hash():
+    corpus = text.load_corpus()
+    assert corpus["sha256"] == text.SHA256_311, "the standard library differs from CPython 3.11.7's"
+    assert len(corpus["train"]) > 800_000 and len(corpus["val"]) > 90_000
+    assert text.load_corpus()["sha256"] == corpus["sha256"]  # read twice, the same text
+
+
+def test_batches_are_deterministic_per_seed_step_and_rank():
+    data = text.load_corpus()["train"]
+    first = next(text.text_batches(data, 8, 64, rank=0, world=2, seed=0))[1]
+    again = next(text.text_batches(data, 8, 64, rank=0, world=2, seed=0))[1]
+    other = next(text.text_batches(data, 8, 64, rank=1, world=2, seed=0))[1]
+    assert all(torch.equal(a, b) for a, b in zip(first, again)) and not torch.equal(first[0], other[0])
+    x, y = first
+    assert x.shape == y.shape == (8, 64) and torch.equal(x[:, 1:], y[:, :-1])  # y: the next byte
+    digest = hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16]
+    assert digest == FIRST_BATCH_SHA256, digest
+    resumed = text.text_batches(data, 8, 64, rank=0, world=2, seed=0, start_step=5)
+    straight = text.text_batches(data, 8, 64, rank=0, world=2, seed=0)
+    for _ in range(5):
+        next(straight)
+    assert torch.equal(next(resumed)[1][0], next(straight)[1][0])  # a resumed run sees the same batches
+
+
+
+def test_gpt_model_size_tied_head_and_causality():
+    torch.manual_seed(0)
+    model = GPT()
+    n = sum(p.numel() for p in model.parameters())
+    assert 2_000_000 <= n <= 10_000_000, n
+    idx = torch.randint(0, 256, (2, 64))
+    out = model(idx)
+    assert out.shape == (2, 64, 256)
+    changed = idx.clone()
+    changed[:, 40] = (changed[:, 40] + 1) % 256
+    assert torch.allclose(model(changed)[:, :40], out[:, :40], atol=1e-5)  # a position never sees the future
+    out.sum().backward()
+    assert model.tok.weight.grad is not None and model.tok.weight.grad.abs().sum() > 0
+    with torch.no_grad():  # tied: the output head is the token embedding itself
+        model.tok.weight.zero_()
+        assert torch.equal(model(idx), torch.zeros_like(out))
+
+
+def test_quick_gpt_bench_on_two_nodes(tmp_path):
+    t0 = time.monotonic()
+    methods = "ddp,qsr,ab-groups,ab-x-qsr,powersgd-r4,local-sgd-h8,compute-only"
+    results, elapsed, _ = bench(["--quick", "--model", "gpt", "--nodes", "2", "--ranks", "4", "--methods", methods],
+                                tmp_path, timeout=300)
+    assert elapsed < 120, f"the quick GPT benchmark took {elapsed:.0f} s"
+    assert set(results["methods"]) == set(methods.split(","))
+    for name, m in results["methods"].items():
+        assert {"val_loss", "val_ppl", "train_loss", "payload_bytes_per_rank", "step_ms", "config"} <= set(m)
+        assert 0 < m["val_loss"] < 6 and m["step_ms"]["unlimited"] > 0, (name, m["val_loss"])
+    assert results["methods"]["qsr"]["config"]["h_base"] == 4  # the GPT config, not MNIST-1D's
+    assert results["setup"]["model"] == "gpt" and "val loss" in (tmp_path / "table.md").read_text()
+    assert set(METHODS) >= set(results["methods"])
