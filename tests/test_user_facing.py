@@ -134,7 +134,7 @@ def test_shipped_configs_load_by_name_from_anywhere(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert load_config("qsr_mnist1d").kind == "qsr" and load_config("ab_mnist1d.json").kind == "ab"
     assert load_config("ds_qsr_bf16_zero2").group_size == 2
-    with pytest.raises(ConfigError, match="neither a file nor a shipped config; shipped: ab_mnist1d"):
+    with pytest.raises(ConfigError, match="neither a file nor a shipped config; shipped: .*ab_mnist1d"):
         load_config("qsr_nope")
     listing = subprocess.run([sys.executable, "-m", "commhooks.cli", "configs"], capture_output=True, text=True,
                              check=True).stdout
