@@ -90,6 +90,9 @@ class OuterSync:
         flight while the weights moved on from ``sent_from``; ``merge="progress"`` keeps ``alpha`` of that
         progress on top of the new anchor, ``"mix"`` takes ``alpha * local + (1 - alpha) * anchor``
         (Streaming DiLoCo's mixing); ``alpha=0`` in either discards the in-flight steps (torchft)."""
+        device = tensors[0].device
+        self._to(device)  # after a load onto the CPU
+        mean = mean.to(device)
         step = mean
         if self.momentum:
             self.buffer = mean.clone() if self.buffer is None else self.buffer.mul_(self.momentum).add_(mean)
@@ -99,7 +102,7 @@ class OuterSync:
             self._write(tensors, self.anchor)
             return
         now = self._flat(tensors)
-        merged = self.anchor + alpha * (now - sent_from) if merge == "progress" else (
+        merged = self.anchor + alpha * (now - sent_from.to(device)) if merge == "progress" else (
             alpha * now + (1.0 - alpha) * self.anchor)
         self._write(tensors, merged)
 

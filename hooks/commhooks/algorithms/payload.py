@@ -32,7 +32,7 @@ into drift (tested: the residual is carried exactly).
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -114,8 +114,3 @@ def start_mean(comm: Comm, x: torch.Tensor, codec: str, block: int, proof: torch
 
     return work.then(decode_all)
 
-
-def compressed_mean(comm: Comm, x: torch.Tensor, codec: str, block: int, proof: torch.Tensor, group=None,
-                    tag: str = "sync", sent: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """:func:`start_mean`, waited on: ``(mean, mean_proof)``."""
-    return start_mean(comm, x, codec, block, proof, group, tag, sent).wait()

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -91,14 +91,7 @@ class InFlight:
     sent_at: int
     apply_at: int
     sent_from: torch.Tensor  # the fragment's weights when it was sent (flat fp32)
-    work: Optional[Work] = None
-    result: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (mean pseudo-gradient, mean proof)
-
-    def wait(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self.result is None:
-            self.result = self.work.wait()
-            self.work = None
-        return self.result
+    work: Work  # wait() gives (mean pseudo-gradient, mean proof), once waited kept
 
 
 class StreamedSyncs:
@@ -141,12 +134,9 @@ class StreamedSyncs:
         sent at).  Landing at the step it was sent (a flush right after), nothing moved: the anchor, as for a
         blocking sync."""
         flight = self.in_flight.pop(k)
-        mean, proofs = flight.wait()
-        mine = self.tensors(k, tensors)
-        device = mine[0].device
-        self.outers[k]._to(device)  # after a load onto the CPU
-        sent_from = flight.sent_from.to(device) if step > flight.sent_at else None
-        self.outers[k].apply(mean.to(device), mine, sent_from, self.merge, self.alpha)
+        mean, proofs = flight.work.wait()
+        sent_from = flight.sent_from if step > flight.sent_at else None
+        self.outers[k].apply(mean, self.tensors(k, tensors), sent_from, self.merge, self.alpha)
         return proofs, flight.sent_at
 
     def anchors(self) -> List[Tuple[str, torch.Tensor]]:
@@ -158,7 +148,7 @@ class StreamedSyncs:
         later collectives pair up differently."""
         flights = {}
         for k, f in self.in_flight.items():
-            mean, proofs = f.wait()
+            mean, proofs = f.work.wait()
             flights[k] = {"sent_at": f.sent_at, "apply_at": f.apply_at, "sent_from": f.sent_from.clone(),
                           "mean": mean.clone(), "proofs": proofs.clone()}
         return {"outers": [o.state_dict() for o in self.outers], "in_flight": flights}
@@ -172,5 +162,5 @@ class StreamedSyncs:
         for outer, saved in zip(self.outers, state["outers"]):
             outer.load_state_dict(saved)
         self.in_flight = {int(k): InFlight(int(f["sent_at"]), int(f["apply_at"]), f["sent_from"].clone(),
-                                           result=(f["mean"].clone(), f["proofs"].clone()))
+                                           Work(lambda r=(f["mean"].clone(), f["proofs"].clone()): r))
                           for k, f in state["in_flight"].items()}

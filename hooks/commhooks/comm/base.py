@@ -180,9 +180,9 @@ class Comm:
     def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
         raise NotImplementedError
 
-    def _allgather_flat(self, flat: torch.Tensor, group: Group, async_op: bool = False):
-        """Every member's ``flat`` (same size everywhere), concatenated in group-rank order; with
-        ``async_op`` a function that waits and returns it."""
+    def _allgather_flat(self, flat: torch.Tensor, group: Group) -> Callable[[], torch.Tensor]:
+        """Start gathering every member's ``flat`` (same size everywhere); return a function that waits and
+        gives them concatenated in group-rank order."""
         raise NotImplementedError
 
     def _make_group(self, ranks: Tuple[int, ...]) -> Any:
@@ -305,23 +305,18 @@ class Comm:
         if metered:
             self.meter.record(group.name, "allgather", nbytes, tag)
         try:
-            out = self._allgather_flat(flat, group, async_op)
+            gathered = self._allgather_flat(flat, group)
         except Exception as exc:
             raise CollectiveError(f"{what()} failed: {exc}") from exc
 
-        def chunks(gathered: torch.Tensor) -> List[torch.Tensor]:
-            return [chunk.view_as(tensor) for chunk in gathered.chunk(group.size)]
-
-        if not async_op:
-            return chunks(out)
-
-        def wait():
+        def wait() -> List[torch.Tensor]:
             try:
-                return chunks(out())
+                return [chunk.view_as(tensor) for chunk in gathered().chunk(group.size)]
             except Exception as exc:
                 raise CollectiveError(f"{what()} failed: {exc}") from exc
 
-        return Work(wait)
+        work = Work(wait)
+        return work if async_op else work.wait()
 
     def notify_join(self, joinable) -> None:
         """Tell a ``torch.distributed`` Join context that this rank still trains (no-op for other backends)."""

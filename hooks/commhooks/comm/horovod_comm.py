@@ -76,7 +76,7 @@ class HorovodComm(Comm):
         finally:
             self._inflight[key].discard(i)
 
-    def _allgather_flat(self, flat: torch.Tensor, group: Group, async_op: bool = False):
+    def _allgather_flat(self, flat: torch.Tensor, group: Group):
         key, i, name = self._claim(group, "allgather", flat)
         try:  # Horovod's allgather carries any dtype, int8 and raw bytes included (its allreduce refuses those)
             handle = self.hvd.allgather_async(flat, name=name, process_set=group.handle)
@@ -90,7 +90,7 @@ class HorovodComm(Comm):
             finally:
                 self._inflight[key].discard(i)
 
-        return wait if async_op else wait()
+        return wait
 
     def _make_group(self, ranks: Tuple[int, ...]) -> Any:
         if len(ranks) == 1:

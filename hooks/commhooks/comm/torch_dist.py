@@ -51,13 +51,10 @@ class TorchComm(Comm):
     def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
         self._wait(dist.broadcast(flat, src=self._global_ranks[src], group=group.handle, async_op=True))
 
-    def _allgather_flat(self, flat: torch.Tensor, group: Group, async_op: bool = False):
+    def _allgather_flat(self, flat: torch.Tensor, group: Group):
         out = flat.new_empty(flat.numel() * group.size)
         work = dist.all_gather_into_tensor(out, flat, group=group.handle, async_op=True)
-        if async_op:
-            return lambda: (self._wait(work), out)[1]
-        self._wait(work)
-        return out
+        return lambda: (self._wait(work), out)[1]
 
     def notify_join(self, joinable) -> None:
         """``Join.notify_join_context``: an allreduce only if ``joinable`` is the first in the Join context."""

@@ -185,10 +185,14 @@ def build_trainer(args, model, conf, workload):
     """(train_step, state, micro_batch, accumulation) for the chosen engine; train_step takes micro-batches."""
     micro, accumulation = args.batch_size, 1
     backward = lambda loss: loss.backward()  # noqa: E731
+
+    def new_optimizer():
+        groups = workload.param_groups(model, args.weight_decay)
+        return build_optimizer(args.optimizer, groups, args.lr, args.momentum, args.weight_decay)
+
     if args.backend == "ddp":
         net = wrap_ddp(model, local_buffers=conf is not None)
-        optimizer = build_optimizer(args.optimizer, workload.param_groups(model, args.weight_decay), args.lr,
-                                    args.momentum, args.weight_decay)
+        optimizer = new_optimizer()
         if args.hook in ANCHORS:
             state = register_anchor(args.hook, net, optimizer, args.powersgd_rank, args.local_sgd_period, args.anchor_start)
         else:
@@ -201,8 +205,7 @@ def build_trainer(args, model, conf, workload):
 
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         optimizer = hvd_adapter.DistributedOptimizer(
-            build_optimizer(args.optimizer, workload.param_groups(model, args.weight_decay), args.lr, args.momentum,
-                            args.weight_decay),
+            new_optimizer(),
             named_parameters=model.named_parameters(), hook=conf, model=model)
         state = getattr(optimizer, "comm_hook_state", None)  # None: Horovod's own allreduce, unmetered
         forward, step = model, lambda: optimizer.step()
@@ -212,8 +215,7 @@ def build_trainer(args, model, conf, workload):
         # DeepSpeed JIT-compiles its ops on first use: keep them in the project's cache, not ~/.cache
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(args.cache_dir).resolve() / "torch_extensions"))
         ds = deepspeed_config(args, conf)
-        optimizer = build_optimizer(args.optimizer, workload.param_groups(model, args.weight_decay), args.lr,
-                                    args.momentum, args.weight_decay)
+        optimizer = new_optimizer()
         engine, *_ = ds_adapter.initialize(model=model, optimizer=optimizer, config=ds)
         state = engine.comm_hook_state
         forward, backward, step = engine, engine.backward, engine.step

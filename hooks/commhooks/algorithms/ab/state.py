@@ -47,11 +47,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ...comm import Work
-from ...comm.base import flatten, unflatten_into
+from ...comm.base import flatten
 from ...config import ConfigError
 from ..averaging import clear_optimizer_state
-from .. import payload
 from ..base import AlgorithmState
+from ..outer import OuterSync
 from . import transitions
 from .groups import make_groups
 from .lowrank import Basis, compression_ratio, tall_view
@@ -228,17 +228,15 @@ class ABState(AlgorithmState):
         self.bases = {}
         self.synced()
 
-    @torch.no_grad()
     def _average_changes(self, tensors: List[torch.Tensor]) -> None:
         """The world mean of ``tensors`` as the phase's start minus the mean of the ranks' changes since then,
-        the changes sent compressed (``payload``) with the step proof."""
-        current = flatten([t.detach() for t in tensors]).float()
-        entry = self.entry.to(current.device)
+        the changes sent compressed (``payload``) with the step proof: an outer step of lr 1 without momentum
+        from the phase's start (:class:`~commhooks.algorithms.outer.OuterSync`)."""
+        outer = OuterSync(1.0, 0.0, False, self.config.payload, self.config.payload_block, error_feedback=False)
+        outer.anchor = self.entry
         with self.collective_context():
-            mean, proofs = payload.compressed_mean(self.comm, entry - current, self.config.payload,
-                                                   self.config.payload_block, self.step_proof(), tag="sync")
+            proofs = outer.sync(self.comm, tensors, self.step_proof(), tag="sync")
         self.check_proof(proofs, None, "sync")
-        unflatten_into(entry - mean, tensors)
 
     def parameters_added(self, new) -> None:
         """Parameters that became trainable or joined an optimizer: synced from now on, kept dense."""

@@ -1,7 +1,8 @@
-"""The two collective transitions of AB-training: entering a phase (new bases) and the world sync.
+"""The transitions of AB-training: entering a phase (new bases, collective) and what the world sync averages.
 
-Both are functions of the parameters, the config and a :class:`Comm`; the
-state (:mod:`commhooks.algorithms.ab.state`) decides when to call them.
+Functions of the parameters, the config and a :class:`Comm`; the state
+(:mod:`commhooks.algorithms.ab.state`) decides when to call them and sends
+the sync.
 """
 
 from __future__ import annotations
@@ -97,13 +98,3 @@ def phase_start_tensors(params: Dict[str, torch.Tensor], bases: Dict[str, Basis]
     if mode == "full" or not bases:
         return list(params.values())
     return [t for b in bases.values() for t in (b.a, b.b)] + [p for n, p in params.items() if n not in bases]
-
-
-@torch.no_grad()
-def sync(average: Callable[..., None], params: Dict[str, torch.Tensor], bases: Dict[str, Basis], role: str,
-         mode: str, buffers: List[torch.Tensor]) -> None:
-    """Average the groups' models over the world with ``average(tensors, tag=...)`` (the state's, which
-    carries the step proof): the tensors of :func:`sync_tensors` and the buffers, in one call."""
-    tensors, write = sync_tensors(params, bases, role, mode)
-    average(tensors + buffers, tag="sync")
-    write()
