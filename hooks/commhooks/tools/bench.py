@@ -53,10 +53,15 @@ METHODS: Dict[str, List[str]] = {
     "qsr-diloco-int8": ["--config", "configs/qsr_diloco_int8_mnist1d.json"],  # QSR periods, outer step, int8
     # the same, each sync landing 2 local steps after it is sent (Streaming DiLoCo's overlap)
     "qsr-diloco-int8-overlap": ["--config", "configs/qsr_diloco_int8_overlap_mnist1d.json"],
+    # QSR's comparison rules (arXiv 2310.14423): a constant period h_base, and H ~ 1/lr with at least QSR's syncs
+    "qsr-constant": ["--config", "configs/qsr_constant_mnist1d.json"],
+    "qsr-power1": ["--config", "configs/qsr_power1_mnist1d.json"],
     "compute-only": ["--hook", "compute-only"],
 }
 # --model gpt: the same methods with configs sized for the GPT workload (300 steps, lr warm-up 50)
-GPT_CONFIGS = {"qsr": "configs/qsr_gpt.json", "ab-groups": "configs/ab_gpt.json", "ab-x-qsr": "configs/abqsr_gpt.json"}
+GPT_CONFIGS = {"qsr": "configs/qsr_gpt.json", "ab-groups": "configs/ab_gpt.json", "ab-x-qsr": "configs/abqsr_gpt.json",
+               "qsr-diloco-int8-overlap": "configs/qsr_diloco_int8_overlap_gpt.json",
+               "qsr-constant": "configs/qsr_constant_gpt.json", "qsr-power1": "configs/qsr_power1_gpt.json"}
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
 
 
@@ -201,10 +206,12 @@ class NetnsLab:
         return applied
 
 
-def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Path, timeout: float) -> Dict[str, List[dict]]:
+def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Path, timeout: float,
+                  seed: Optional[int] = None, repeats: Optional[int] = None) -> Dict[str, List[dict]]:
     """All methods at one link setting, one after the other, in one process group: per method, the per-rank summaries."""
-    common = ["--steps", str(args.steps), "--model", args.model, "--seed", str(args.seed), "--no-progress"]
-    repeats = getattr(args, "repeats", 1)
+    seed = args.seeds[0] if seed is None else seed
+    common = ["--steps", str(args.steps), "--model", args.model, "--seed", str(seed), "--no-progress"]
+    repeats = getattr(args, "repeats", 1) if repeats is None else repeats
     runs_of = {name: [name] + [f"{name}#{k}" for k in range(1, repeats)] for name in methods}
     spec = {run: method_argv(name, args.model) + common + ["--label", name, "--json-out", str(out / f"{run}.rank{{rank}}.json")]
             for k in range(repeats) for name in methods for run in [runs_of[name][k]]}  # repeats interleaved
@@ -313,6 +320,7 @@ def summarize(runs: Dict[str, List[dict]], per_node: int = 1) -> dict:
         "meter_bytes_per_rank": mean([r["bytes_per_rank"] for r in first]),
         "wire_tx_bytes_per_rank": None if node_tx is None else node_tx / per_node,
         "step_ms": {bw: max(r["step_ms"] for r in rs) for bw, rs in runs.items()},  # the slowest rank sets the pace
+        "syncs": first[0].get("syncs"),
         "config": first[0]["config"],
     }
 
@@ -322,16 +330,31 @@ def quality_metric(results: dict) -> str:
     return "val_loss" if results["setup"].get("model") == "gpt" else "test_acc"
 
 
+def add_seed_means(results: dict, seeds: Sequence[int], quality: Dict[str, Dict[int, float]]) -> None:
+    """Each method's quality metric per seed and its mean (the README's accuracy claims use the mean)."""
+    for name, by_seed in quality.items():
+        values = [by_seed[s] for s in seeds if by_seed.get(s) is not None]
+        results["methods"][name]["quality_by_seed"] = {str(s): by_seed.get(s) for s in seeds}
+        results["methods"][name]["quality_mean"] = sum(values) / len(values) if len(values) == len(seeds) else None
+
+
 def table(results: dict) -> str:
     methods, bws = results["methods"], results["setup"]["bandwidths"]
     ddp, floor = methods.get("ddp"), methods.get("compute-only")
     metric = quality_metric(results)
-    head = ["method", metric.replace("_", " "), "payload/rank", "vs DDP", "wire tx/rank"]
+    seeds = results["setup"].get("seeds") or [results["setup"].get("seed", 0)]
+    head = ["method", metric.replace("_", " ") + (f" (seed {seeds[0]})" if len(seeds) > 1 else "")]
+    if len(seeds) > 1:
+        head.append(f"mean of seeds {'/'.join(map(str, seeds))}")
+    head += ["syncs", "payload/rank", "vs DDP", "wire tx/rank"]
     head += [f"ms/step {bw}" for bw in bws] + [f"vs compute-only {bws[-1]}", f"vs DDP {bws[-1]}", f"overhead vs DDP {bws[0]}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in methods.items():
         payload = m["payload_bytes_per_rank"]
-        row = [name, f"{m[metric]:.4f}", f"{payload / 1e6:.2f} MB",
+        row = [name, f"{m[metric]:.4f}"]
+        if len(seeds) > 1:
+            row.append("-" if m.get("quality_mean") is None else f"{m['quality_mean']:.4f}")
+        row += ["-" if m.get("syncs") is None else str(m["syncs"]), f"{payload / 1e6:.2f} MB",
                f"{payload / ddp['payload_bytes_per_rank']:.3f}" if ddp and ddp["payload_bytes_per_rank"] else "-",
                "-" if m["wire_tx_bytes_per_rank"] is None else f"{m['wire_tx_bytes_per_rank'] / 1e6:.2f} MB"]
         row += [f"{m['step_ms'][bw]:.2f}" for bw in bws]
@@ -354,11 +377,14 @@ def plots(results: dict, out: Path) -> List[str]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, m in methods.items():
         if m["payload_bytes_per_rank"]:
-            ax.scatter(m["payload_bytes_per_rank"] / 1e6, m[metric], s=40)
-            ax.annotate(name, (m["payload_bytes_per_rank"] / 1e6, m[metric]), fontsize=8, xytext=(4, 2), textcoords="offset points")
+            y = m.get("quality_mean") or m[metric]  # the mean of the seeds where there are several
+            ax.scatter(m["payload_bytes_per_rank"] / 1e6, y, s=40)
+            ax.annotate(name, (m["payload_bytes_per_rank"] / 1e6, y), fontsize=8, xytext=(4, 2), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_xlabel("payload sent per rank over the run (MB, log)")
-    ax.set_ylabel("test accuracy" if metric == "test_acc" else "validation loss (nats/byte)")
+    label = "test accuracy" if metric == "test_acc" else "validation loss (nats/byte)"
+    seeds = results["setup"].get("seeds") or []
+    ax.set_ylabel(label + (f", mean of {len(seeds)} seeds" if len(seeds) > 1 else ""))
     workload = "byte-level GPT" if metric == "val_loss" else "MNIST-1D"
     ax.set_title(f"{workload} {results['setup']['model']}, {results['setup']['ranks']} ranks, {results['setup']['steps']} steps")
     ax.grid(alpha=0.3)
@@ -393,7 +419,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 1200; gpt 300)")
     p.add_argument("--model", choices=("cnn", "mlp", "gpt"), default="cnn",
                    help="cnn / mlp: MNIST-1D; gpt: the byte-level GPT (validation loss instead of accuracy)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the seed of every run (one seed; see --seeds)")
+    p.add_argument("--seeds", default=None,
+                   help="comma list, e.g. 0,1,2: the first seed runs at every bandwidth; the others run once more "
+                        "on an unlimited link for the quality column (the mean of the seeds)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run each method this many times per link setting, interleaved; step time = the median")
     p.add_argument("--bandwidths", default=",".join(BANDWIDTHS), help="comma list of tc rates (first: the accuracy run)")
@@ -416,6 +445,13 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     args.bandwidths = [b.strip() for b in args.bandwidths.split(",") if b.strip()]
+    try:
+        args.seeds = [args.seed] if args.seeds is None else [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--seeds must be a comma list of integers, got {args.seeds!r}")
+    if not args.seeds or len(set(args.seeds)) != len(args.seeds):
+        p.error(f"--seeds must list distinct integers, got {args.seeds}")
+    args.seed = args.seeds[0]
     if args.nodes is not None and (args.nodes < 1 or args.ranks % args.nodes):
         p.error(f"--nodes must divide --ranks ({args.ranks}), got {args.nodes}")
     return args
@@ -459,7 +495,7 @@ def _run(args, out: Path) -> int:
             print("commhooks bench: loopback cannot be rate-limited; measuring 'unlimited' only", flush=True)
             args.bandwidths = ["unlimited"]
         results = {"setup": {"ranks": args.ranks, "nodes": lab.nodes if lab else None, "steps": args.steps,
-                             "model": args.model, "seed": args.seed, "repeats": args.repeats,
+                             "model": args.model, "seed": args.seed, "seeds": args.seeds, "repeats": args.repeats,
                              "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
                              "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}, "methods": {}}
         for bw in args.bandwidths:
@@ -468,12 +504,25 @@ def _run(args, out: Path) -> int:
             print(f"[bench] link {bw}: {shaping} ({network})", flush=True)
             for name, per_rank in run_bandwidth(args.methods, args, lab, out, args.timeout).items():
                 runs[name][bw] = per_rank
+        quality: Dict[str, Dict[int, float]] = {m: {} for m in args.methods}
+        metric = "val_loss" if args.model == "gpt" else "test_acc"
+        for name in args.methods:
+            quality[name][args.seeds[0]] = runs[name][args.bandwidths[0]][0][metric]
+        for seed in args.seeds[1:]:  # quality only: the link does not change it, so the fastest one
+            shaping = lab.shape("unlimited", args.delay) if lab else "none"
+            print(f"[bench] seed {seed}: quality runs, link unlimited ({shaping})", flush=True)
+            seed_out = out / f"seed{seed}"
+            seed_out.mkdir(parents=True, exist_ok=True)
+            found = run_bandwidth(args.methods, args, lab, seed_out, args.timeout / args.repeats, seed=seed, repeats=1)
+            for name, per_rank in found.items():
+                quality[name][seed] = per_rank[0][metric]
     finally:
         if lab:
             lab.__exit__()
     per_node = args.ranks // (results.get("setup", {}).get("nodes") or args.ranks)
     for name in args.methods:
         results["methods"][name] = summarize(runs[name], per_node)
+    add_seed_means(results, args.seeds, quality)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     md = table(results)
     (out / "table.md").write_text(md + "\n")
