@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from ..launch import free_port
+from .workloads import WORKLOADS
 
 METHODS: Dict[str, List[str]] = {
     "ddp": ["--hook", "none"],
@@ -44,6 +45,8 @@ METHODS: Dict[str, List[str]] = {
     # commhooks' methods: a config file each (its "type" picks the algorithm)
     "qsr": ["--config", "configs/qsr_mnist1d.json"],
     "ab-groups": ["--config", "configs/ab_mnist1d.json"],
+    # the authors' first phase: untruncated factors until the first re-basis (first_rank "full"; ours: "cut")
+    "ab-groups-full": ["--config", "configs/ab_full_mnist1d.json"],
     "ab-groups-short": ["--config", "configs/ab_short_mnist1d.json"],  # warm-up 100, F 5
     "ab-only-b": ["--config", "configs/ab_onlyb_mnist1d.json"],
     "ab-x-qsr": ["--config", "configs/abqsr_mnist1d.json"],
@@ -58,18 +61,18 @@ METHODS: Dict[str, List[str]] = {
     "qsr-power1": ["--config", "configs/qsr_power1_mnist1d.json"],
     "compute-only": ["--hook", "compute-only"],
 }
-# --model gpt: the same methods with configs sized for the GPT workload (300 steps, lr warm-up 50)
-GPT_CONFIGS = {"qsr": "configs/qsr_gpt.json", "ab-groups": "configs/ab_gpt.json", "ab-x-qsr": "configs/abqsr_gpt.json",
-               "qsr-diloco-int8-overlap": "configs/qsr_diloco_int8_overlap_gpt.json",
-               "qsr-constant": "configs/qsr_constant_gpt.json", "qsr-power1": "configs/qsr_power1_gpt.json"}
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
 
 
 def method_argv(name: str, model: str) -> List[str]:
-    """The trainer's arguments for ``name``; a GPT run swaps in the GPT config where one exists."""
+    """The trainer's arguments for ``name``: a method's config ``configs/<x>_mnist1d.json`` becomes the
+    workload's own ``configs/<x>_<suffix>.json`` where one exists (``--model gpt``: ``_gpt``)."""
     argv = list(METHODS[name])
-    if model == "gpt" and name in GPT_CONFIGS:
-        argv[argv.index("--config") + 1] = GPT_CONFIGS[name]
+    if "--config" in argv:
+        i = argv.index("--config") + 1
+        own = argv[i].replace("_mnist1d.json", f"_{WORKLOADS[model].config_suffix}.json")
+        if Path(own).exists():
+            argv[i] = own
     return argv
 
 
@@ -327,7 +330,7 @@ def summarize(runs: Dict[str, List[dict]], per_node: int = 1) -> dict:
 
 def quality_metric(results: dict) -> str:
     """``test_acc`` (MNIST-1D) or ``val_loss`` (GPT): the column the table and the plot show."""
-    return "val_loss" if results["setup"].get("model") == "gpt" else "test_acc"
+    return WORKLOADS[results["setup"].get("model", "cnn")].metric
 
 
 def add_seed_means(results: dict, seeds: Sequence[int], quality: Dict[str, Dict[int, float]]) -> None:
@@ -416,8 +419,9 @@ def parse_args(argv=None):
     p.add_argument("--nodes", type=int, default=None,
                    help="simulated nodes (default: one per rank): a node's ranks share one namespace and one "
                         "rate-limited link; inside it they talk unlimited. AB's and QSR's node-sized groups follow")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 1200; gpt 300)")
-    p.add_argument("--model", choices=("cnn", "mlp", "gpt"), default="cnn",
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps per run (default {WORKLOADS['cnn'].bench_steps}; gpt {WORKLOADS['gpt'].bench_steps})")
+    p.add_argument("--model", choices=tuple(WORKLOADS), default="cnn",
                    help="cnn / mlp: MNIST-1D; gpt: the byte-level GPT (validation loss instead of accuracy)")
     p.add_argument("--seed", type=int, default=0, help="the seed of every run (one seed; see --seeds)")
     p.add_argument("--seeds", default=None,
@@ -437,7 +441,7 @@ def parse_args(argv=None):
     args.repeats = max(1, args.repeats)
     args.timeout *= args.repeats  # the limit is per link setting, for every run of every method
     if args.steps is None:
-        args.steps = 300 if args.model == "gpt" else 1200
+        args.steps = WORKLOADS[args.model].bench_steps
     if args.quick:
         args.steps, args.netns, args.bandwidths = min(args.steps, 20), "off", "unlimited"
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -505,7 +509,7 @@ def _run(args, out: Path) -> int:
             for name, per_rank in run_bandwidth(args.methods, args, lab, out, args.timeout).items():
                 runs[name][bw] = per_rank
         quality: Dict[str, Dict[int, float]] = {m: {} for m in args.methods}
-        metric = "val_loss" if args.model == "gpt" else "test_acc"
+        metric = WORKLOADS[args.model].metric
         for name in args.methods:
             quality[name][args.seeds[0]] = runs[name][args.bandwidths[0]][0][metric]
         for seed in args.seeds[1:]:  # quality only: the link does not change it, so the fastest one

@@ -34,7 +34,7 @@ from .anchors import ANCHORS, register_anchor
 from ..algorithms.base import AlgorithmState
 from ..launch import LaunchError, init_distributed, shutdown
 from .measure import PayloadCounter, iface_bytes
-from .workloads import build_workload
+from .workloads import WORKLOADS, build_workload
 
 HOOKS = ("none", *registry.names()) + ANCHORS
 
@@ -50,7 +50,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
                    help="DeepSpeed JSON; its \"comm_hook\" section, if any, chooses the hook (--backend deepspeed)")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
-    p.add_argument("--model", choices=("cnn", "mlp", "gpt"), default="cnn",
+    p.add_argument("--model", choices=tuple(WORKLOADS), default="cnn",
                    help="cnn / mlp: MNIST-1D (quick); gpt: a ~2.4M-parameter byte-level GPT on Python source "
                         "(validation loss instead of accuracy)")
     p.add_argument("--context", type=int, default=64, help="--model gpt: bytes per sequence")
@@ -82,23 +82,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--log-every", type=int, help="the hook's log_every: one line every N steps on rank 0 (0 = off)")
     args = p.parse_args(argv)
-    if args.batch_size is None:
-        args.batch_size = 8 if args.model == "gpt" else 32
+    for key, value in WORKLOADS[args.model].defaults.items():  # flags left unset: the workload's defaults
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.steps < 1 or args.batch_size < 1:
         p.error("--steps and --batch-size must be >= 1")
     if args.log_every is not None and args.log_every < 0:
         p.error(f"--log-every must be >= 0 (0 = off), got {args.log_every}")
     if args.hook in ANCHORS and args.backend != "ddp":
         p.error(f"--hook {args.hook} is PyTorch's own DDP hook: use --backend ddp")
-    if args.clip is None:
-        args.clip = 1.0 if args.model == "gpt" else 0.0
     if args.clip < 0:
         p.error(f"--clip must be >= 0 (0 = off), got {args.clip}")
     if args.clip and args.backend == "horovod":
         p.error("--clip with --backend horovod: Horovod averages gradients inside optimizer.step(), after any "
                 "clipping here; use --clip 0 (or --backend ddp / deepspeed)")
-    if args.lr is None:
-        args.lr = 0.002 if args.model == "gpt" else 0.003
     return args
 
 
@@ -225,7 +222,7 @@ def build_trainer(args, model, conf, workload):
     if isinstance(state, AlgorithmState):
         scheduler = state.wrap_scheduler(scheduler)
 
-    bf16 = args.autocast == "bf16" or (args.autocast == "auto" and args.model == "gpt" and torch.cuda.is_available())
+    bf16 = args.autocast == "bf16" or (args.autocast == "auto" and workload.bf16_on_cuda and torch.cuda.is_available())
 
     def train_step(batches):
         losses = []
