@@ -71,3 +71,18 @@ def test_ab_group_error_on_every_rank_without_hang(tmp_path):
     proc = torchrun(["--hook", "ab", "--config", str(conf), "--steps", "5"], tmp_path, timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.count("config error: ab.group_size 2 (ranks per node, LOCAL_WORLD_SIZE)") == 2, proc.stderr[-2000:]
+
+
+def test_powersgd_anchor_on_a_model_of_several_buckets(tmp_path):
+    """PyTorch's powerSGD_hook on gloo with two or more DDP buckets mismatches the ranks' collectives (its
+    callbacks launch allreduces in a different order on each rank); the trainer gives it one bucket.  The
+    GPT's 9.8 MB of gradients would fill several."""
+    out = tmp_path / "psgd.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"))
+    four = [arg if arg != "2" else "4" for arg in TORCHRUN]  # 4 ranks: 2 passed even without the one bucket
+    proc = subprocess.run(four + ["-m", "commhooks.tools.train", "--no-progress", "--model", "gpt", "--hook",
+                                  "powersgd", "--anchor-start", "2", "--steps", "8", "--json-out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["steps"] == 8 and summary["val_loss"] > 0

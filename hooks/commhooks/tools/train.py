@@ -118,9 +118,19 @@ def build_optimizer(name: str, params, lr: float, momentum: float, weight_decay:
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
 
 
-def wrap_ddp(model, local_buffers: bool) -> DDP:
-    """DDP that, for local methods, does not re-broadcast buffers on every forward."""
+def wrap_ddp(model, local_buffers: bool, one_bucket: bool = False) -> DDP:
+    """DDP that, for local methods, does not re-broadcast buffers on every forward.
+
+    ``one_bucket``: every gradient in a single bucket.  PyTorch's ``powerSGD_hook`` launches its second and
+    third allreduce of a bucket from a future's callback; with two or more buckets on gloo those callbacks
+    run in a different order on different ranks, so the ranks' collectives mismatch (gloo "Received data
+    size doesn't match expected size", or a hang behind a slow link: seen with the 2.4M-parameter GPT,
+    whose gradients fill DDP's 1 MiB first bucket and more).  An explicit ``bucket_cap_mb`` also sizes the
+    first bucket, so one cap above the model's size gives one bucket."""
     kwargs = {}
+    if one_bucket:
+        size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        kwargs["bucket_cap_mb"] = math.ceil(size_mb) + 1
     if local_buffers:
         sig = inspect.signature(DDP.__init__).parameters
         kwargs["forward_sync_buffers" if "forward_sync_buffers" in sig else "broadcast_buffers"] = False
@@ -188,7 +198,7 @@ def build_trainer(args, model, conf, workload):
         return build_optimizer(args.optimizer, groups, args.lr, args.momentum, args.weight_decay)
 
     if args.backend == "ddp":
-        net = wrap_ddp(model, local_buffers=conf is not None)
+        net = wrap_ddp(model, local_buffers=conf is not None, one_bucket=args.hook == "powersgd")
         optimizer = new_optimizer()
         if args.hook in ANCHORS:
             state = register_anchor(args.hook, net, optimizer, args.powersgd_rank, args.local_sgd_period, args.anchor_start)
