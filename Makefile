@@ -6,7 +6,7 @@ NPROC  ?= 2
 TRAIN  := $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m commhooks.tools.train
 DEMO   := results/demo
 
-.PHONY: install demo test bench bench-gpt clean
+.PHONY: install demo test bench bench-gpt bench-papers clean
 
 install:
 	@bash .ci/install.sh
@@ -24,10 +24,17 @@ test: install
 bench: install
 	$(VENV)/bin/commhooks bench --out results/bench
 
-# the GPT workload: 4 ranks on 2 nodes that share a 100 Mbit/s link each (about an hour here)
+# the GPT workload: 4 ranks on 2 nodes that share a 100 Mbit/s link each, 3 seeds (about 85 min here)
 bench-gpt: install
-	$(VENV)/bin/commhooks bench --model gpt --ranks 4 --nodes 2 --bandwidths 100mbit,unlimited \
-		--methods ddp,powersgd-r4,local-sgd-h8,qsr,ab-groups,ab-x-qsr,compute-only --out results/bench-gpt
+	$(VENV)/bin/commhooks bench --model gpt --ranks 4 --nodes 2 --bandwidths 100mbit --seeds 0,1,2 \
+		--methods ddp,powersgd-r4,local-sgd-h8,qsr,qsr-constant,qsr-power1,qsr-diloco-int8-overlap,ab-groups,ab-groups-full,ab-x-qsr,compute-only \
+		--out results/bench-gpt
+
+# the papers' comparisons on MNIST-1D, 3 seeds: QSR against a constant period and the power-1 rule, AB's first phase
+# cut (ours) against full (the authors')
+bench-papers: install
+	$(VENV)/bin/commhooks bench --bandwidths unlimited --seeds 0,1,2 \
+		--methods ddp,qsr,qsr-constant,qsr-power1,ab-groups,ab-groups-full --out results/bench-papers
 
 clean:
 	rm -rf results .pytest_cache

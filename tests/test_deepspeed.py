@@ -135,6 +135,8 @@ def test_replica_groups_under_deepspeed_bf16_zero(tmp_path):
         warnings.warn(f"fp16 loss-scaler run not exercised: {fp16}")
     else:
         assert [r["fp16_zero2_overflow"]["sync_steps"] for r in runs].count(fp16["sync_steps"]) == 4
+    seen = [res["data"] for res in runs]  # training_data: a disjoint quarter per rank, not a half per pair
+    assert all(len(s) == 16 for s in seen) and sorted(sum(seen, [])) == list(range(64)), seen
     for res in runs:  # exact resume from DeepSpeed's checkpoint plus the hook's state, mid-round
         assert torch.equal(res["resume"]["straight"], res["resume"]["resumed"])
 

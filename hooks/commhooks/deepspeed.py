@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import warnings
 from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 import torch
@@ -404,9 +405,32 @@ def initialize(args=None, model=None, model_parameters=None, config=None, **kwar
         args=args, model=model, model_parameters=model_parameters, config=config if config is not None else ds_config,
         **kwargs,
     )
+    if conf is not None and kwargs.get("mpu") is not None and loader is not None:
+        loader = _world_sharded_loader(engine, kwargs.get("training_data"))
     if hook_section is not None:
         attach(engine, conf)
     return engine, optimizer, loader, scheduler
+
+
+def _world_sharded_loader(engine, dataset):
+    """The ``training_data`` loader, sharded over the *world*, not the engine's data-parallel group.
+
+    DeepSpeed shards ``training_data`` over its data-parallel group; replica groups make that group a
+    replica (one rank with ``group_size`` 1), so every replica would read the same samples in the same order
+    and local SGD would average models trained on identical data.  Each rank gets its own 1/world share, as
+    under DDP with a ``DistributedSampler`` (shuffled, seed 0; ``loader.data_sampler.set_epoch`` as usual).
+    An iterable dataset cannot be sharded by a sampler: shard it per ``dist.get_rank()`` yourself."""
+    import torch.distributed as dist
+    from torch.utils.data.distributed import DistributedSampler
+
+    if not engine.is_map_style_dataset(dataset):
+        warnings.warn("comm_hook replica groups: DeepSpeed shards an iterable training_data over the replica "
+                      "group only, so replicas may read the same samples; shard it by dist.get_rank() yourself",
+                      stacklevel=3)
+        return engine.training_dataloader
+    sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank())
+    engine.training_dataloader = engine.deepspeed_io(dataset, data_sampler=sampler)
+    return engine.training_dataloader
 
 
 # ------------------------------------------------------------------ checkpoints

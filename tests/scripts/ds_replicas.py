@@ -119,6 +119,15 @@ if get_accelerator().is_fp16_supported():  # the loss scaler itself; DeepSpeed r
     result["fp16_zero2_overflow"] = run("fp16", 2, 16, rule, overflow_at=3, scheduler=warm)
 else:
     result["fp16_zero2_overflow"] = f"fp16 not supported by DeepSpeed's {get_accelerator().device_name()} accelerator here"
+# training_data: DeepSpeed shards it over its data-parallel group (the pair); each rank must get its own share
+dataset = torch.utils.data.TensorDataset(torch.arange(64))
+net = model()
+engine, _, loader, _ = ds_adapter.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                                             training_data=dataset,
+                                             config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {
+                                                 "stage": 2}, "bf16": {"enabled": True}, "comm_hook": QSR,
+                                                 "zero_allow_untested_optimizer": True})
+result["data"] = sorted(int(i) for (batch,) in loader for i in batch)
 straight = run("bf16", 2, 12, QSR)
 resumed = run("bf16", 2, 12, QSR, resume_at=7, ckpt=f"{args.out}/ckpt")
 result["resume"] = {"straight": straight["final"], "resumed": resumed["final"],

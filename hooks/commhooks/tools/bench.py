@@ -56,6 +56,8 @@ METHODS: Dict[str, List[str]] = {
     "qsr-diloco-int8": ["--config", "configs/qsr_diloco_int8_mnist1d.json"],  # QSR periods, outer step, int8
     # the same, each sync landing 2 local steps after it is sent (Streaming DiLoCo's overlap)
     "qsr-diloco-int8-overlap": ["--config", "configs/qsr_diloco_int8_overlap_mnist1d.json"],
+    # the same without the outer step: plain averaging of int8 changes, landing 2 steps after they are sent
+    "qsr-int8-overlap": ["--config", "configs/qsr_int8_overlap_mnist1d.json"],
     # QSR's comparison rules (arXiv 2310.14423): a constant period h_base, and H ~ 1/lr with at least QSR's syncs
     "qsr-constant": ["--config", "configs/qsr_constant_mnist1d.json"],
     "qsr-power1": ["--config", "configs/qsr_power1_mnist1d.json"],
