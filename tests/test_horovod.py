@@ -19,7 +19,10 @@ def horovodrun(np, extra, out, hosts=True, timeout=400):
     assert horovodrun.exists(), "horovodrun is missing: the Horovod build in .ci/install.sh failed"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "MASTER_", "HOROVOD_"))}
     env.update(OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"))
-    cmd = [str(horovodrun), "-np", str(np)] + (["-H", f"localhost:{np}", "--gloo"] if hosts else [])
+    # Horovod's gloo gives up on a peer after 30 s; 4 ranks on 2 busy cores in CI once took longer (the test's own
+    # timeout still bounds a real hang)
+    cmd = [str(horovodrun), "-np", str(np), "--gloo-timeout-seconds", "120"]
+    cmd += ["-H", f"localhost:{np}", "--gloo"] if hosts else []
     cmd += [sys.executable, SCRIPT, "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
