@@ -74,6 +74,13 @@ def _scenarios(rank, world):
     out["ab_nothing"] = caught
     state, caught, lines = _train({**ab, "min_compression_rate": 0.0}, 8)
     out["ab_ordinary"] = {"warnings": caught, "lines": lines, "report": state.report()}
+    # AB phases sized by the rule (here ~100 steps) with no total_steps: the run may end inside one
+    _, caught, _ = _train({**ab, "min_compression_rate": 0.0, "sync_rule": "qsr", "h_base": 4, "alpha": 0.5}, 8)
+    out["ab_unbounded"] = caught
+    # an overlap as long as the shortest period: the sync in flight lands when the next is due
+    _, caught, _ = _train({"type": "qsr", "h_base": 2, "alpha": 0.0, "warmup_steps": 2, "total_steps": 8,
+                           "overlap_steps": 2}, 8)
+    out["overlap_long"] = caught
     return out
 
 
@@ -117,6 +124,18 @@ def test_warning_when_a_period_may_outlast_the_run(scenarios):
     for res in scenarios:
         found = [w for w in res["unbounded"] if "total_steps is not set" in w]
         assert len(found) == 1 and "state.sync()" in found[0], res["unbounded"]
+
+
+def test_warning_when_an_ab_phase_may_outlast_the_run(scenarios):
+    for res in scenarios:
+        found = [w for w in res["ab_unbounded"] if "total_steps is not set" in w]
+        assert len(found) == 1 and found[0].startswith("AB chose a phase of "), res["ab_unbounded"]
+
+
+def test_warning_when_overlap_reaches_the_next_sync(scenarios):
+    for res in scenarios:
+        found = [w for w in res["overlap_long"] if "overlap_steps=2 >= h_base=2" in w]
+        assert len(found) == 1 and "overlap_steps < h_base" in found[0], res["overlap_long"]
 
 
 def test_warning_when_ab_compresses_nothing(scenarios):

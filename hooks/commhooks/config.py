@@ -21,6 +21,7 @@ same classes.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import typing
@@ -40,6 +41,10 @@ class ConfigError(ValueError):
 # --------------------------------------------------------------------------
 # the base every algorithm's config derives from
 # --------------------------------------------------------------------------
+
+
+# the prefix of error messages while :func:`validate` builds a config; None: the algorithm's type ("qsr.")
+_ERROR_PREFIX: "contextvars.ContextVar[Optional[str]]" = contextvars.ContextVar("commhooks_config_prefix", default=None)
 
 
 class HookConfig(BaseModel):
@@ -71,7 +76,7 @@ class HookConfig(BaseModel):
             super().__init__(**data)
         except pydantic.ValidationError as exc:
             cls = type(self)
-            prefix = f"{cls.model_fields['type'].default}." if "type" in cls.model_fields else ""
+            prefix = _ERROR_PREFIX.get() or (f"{cls.model_fields['type'].default}." if "type" in cls.model_fields else "")
             raise ConfigError("; ".join(_describe_error(cls, e, prefix) for e in exc.errors())) from None
 
     @property
@@ -158,7 +163,12 @@ def validate(cls, data: Mapping[str, Any], where: str = "config"):
         raise ConfigError(
             f"{where}: unknown key(s) {', '.join(map(repr, unknown))} for type {kind!r}; allowed: {', '.join(allowed)}"
         )
-    return cls(**data)
+    # errors name the key as the user wrote it: "comm_hook.payload" in a DeepSpeed config, "qsr.payload" elsewhere
+    token = _ERROR_PREFIX.set("comm_hook." if where.endswith("comm_hook") else None)
+    try:
+        return cls(**data)
+    finally:
+        _ERROR_PREFIX.reset(token)
 
 
 # --------------------------------------------------------------------------

@@ -217,6 +217,12 @@ class QSRState(AlgorithmState):
             if bent:
                 raise ConfigError(f"qsr.fragments > 1 needs contiguous parameters (a fragment is a view of them); "
                                   f"not contiguous: {bent[:4]} (e.g. channels_last): use fragments 1")
+        if c.overlap_steps >= c.h_base:
+            warnings.warn(
+                f"QSR: overlap_steps={c.overlap_steps} >= h_base={c.h_base}: at periods of {c.overlap_steps} steps or "
+                "fewer a sync is still in flight when the next one is due, so it lands first (the rank waits for it) "
+                f"and the overlap hides less than asked; use overlap_steps < h_base (e.g. {max(1, c.h_base // 2)})",
+                stacklevel=4)
         if c.overlap_steps and c.total_steps is None:
             warnings.warn(
                 f"QSR: overlap_steps={c.overlap_steps} and total_steps is not set: the last sync of the run lands only "

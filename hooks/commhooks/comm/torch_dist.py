@@ -53,7 +53,9 @@ class TorchComm(Comm):
 
     def _allgather_flat(self, flat: torch.Tensor, group: Group):
         out = flat.new_empty(flat.numel() * group.size)
-        work = dist.all_gather_into_tensor(out, flat, group=group.handle, async_op=True)
+        # torch 2.13 renamed all_gather_into_tensor (now a deprecated alias, a FutureWarning) to all_gather_single
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(out, flat, group=group.handle, async_op=True)
         return lambda: (self._wait(work), out)[1]
 
     def notify_join(self, joinable) -> None:

@@ -29,8 +29,11 @@ class PayloadCounter:
     its bytes; ``log`` (with ``log_calls=True``) keeps ``(ranks, bytes)`` per call.
     """
 
+    # torch 2.13's all_gather_single / reduce_scatter_single are the new names of all_gather_into_tensor /
+    # reduce_scatter_tensor (kept as deprecated aliases that call them inside c10d, so nothing counts twice)
     FUNCTIONS = ("all_reduce", "reduce", "broadcast", "reduce_scatter_tensor", "_reduce_scatter_base",
-                 "all_gather_into_tensor", "_all_gather_base", "all_gather", "reduce_scatter", "all_to_all_single")
+                 "reduce_scatter_single", "all_gather_into_tensor", "_all_gather_base", "all_gather_single",
+                 "all_gather", "reduce_scatter", "all_to_all_single")
 
     def __init__(self, log_calls: bool = False):
         self.bytes = 0
@@ -45,9 +48,9 @@ class PayloadCounter:
             src = kwargs.get("src", args[1] if len(args) > 1 else None)
             if dist.get_rank() != src:
                 return
-        if name in ("reduce_scatter_tensor", "_reduce_scatter_base"):
+        if name in ("reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter_single"):
             t = kwargs.get("input", args[1] if len(args) > 1 else None)
-        elif name in ("all_gather_into_tensor", "_all_gather_base"):
+        elif name in ("all_gather_into_tensor", "_all_gather_base", "all_gather_single"):
             t = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
         elif name == "all_gather":
             t = kwargs.get("tensor", args[1] if len(args) > 1 else None)
