@@ -273,7 +273,7 @@ def test_checkpoint_resume_is_exact(tmp_path):
 # --------------------------------------------------------------------------
 
 
-def _replica_groups(rank, world, steps, h_base):
+def _replica_groups(rank, world, steps, h_base, extra=None):
     import torch.distributed as dist
 
     torch.manual_seed(0)
@@ -281,14 +281,16 @@ def _replica_groups(rank, world, steps, h_base):
     # commhooks: QSR with replica groups of 2
     net = local_ddp(copy_model(base))
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    state = commhooks.ddp.register(net, opt, {"type": "qsr", "h_base": h_base, "group_size": 2, "check_every": 1})
+    state = commhooks.ddp.register(net, opt, {"type": "qsr", "h_base": h_base, "group_size": 2, "check_every": 1,
+                                              **(extra or {})})
     # the reference, written here: allreduce inside the pair every step, world average every h_base steps
     ref = copy_model(base)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
-    per_step, synced, inside, across = [], [], [], []
+    per_step, synced, inside, across, by_tag = [], [], [], [], []
     for step in range(steps):
         b0 = state.meter.bytes()
+        t0 = dict(state.meter.by_tag())
         sgd_step(net, opt, step, rank)
         x, y = batch(step, rank)
         ref_opt.zero_grad()
@@ -302,13 +304,15 @@ def _replica_groups(rank, world, steps, h_base):
                 dist.all_reduce(p.data)
                 p.data /= world
         per_step.append(state.meter.bytes() - b0)
+        by_tag.append({k: v - t0.get(k, 0) for k, v in state.meter.by_tag().items() if v - t0.get(k, 0)})
         synced.append(state.syncs)
         mine = flat_state(net.module)
         gathered = [torch.zeros_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
         inside.append(torch.equal(gathered[0], gathered[1]) and torch.equal(gathered[2], gathered[3]))
         across.append(torch.equal(gathered[0], gathered[2]))
-    return flat_state(net.module), flat_state(ref), per_step, synced, inside, across, sum(p.numel() for p in ref.parameters())
+    numel = sum(p.numel() for p in ref.parameters())
+    return flat_state(net.module), flat_state(ref), per_step, synced, inside, across, numel, by_tag
 
 
 def copy_model(model):
@@ -319,10 +323,40 @@ def copy_model(model):
 
 def test_replica_groups_equal_a_reference_and_meter_their_traffic():
     results = run_ranks(_replica_groups, 4, timeout=180, steps=9, h_base=3)
-    for mine, ref, per_step, synced, inside, across, numel in results:
+    for mine, ref, per_step, synced, inside, across, numel, _ in results:
         assert torch.allclose(mine, ref, atol=1e-6), (mine - ref).abs().max()
         assert all(inside), "the ranks of a replica group hold the same parameters at every step"
         assert across == [(s + 1) % 3 == 0 for s in range(9)], "groups differ between syncs, agree after"
         for step, b in enumerate(per_step):
             sync = (step + 1) % 3 == 0
             assert b == 4 * numel + (4 * numel + STEP_PROOF_BYTES if sync else 0), (step, b)  # one group-grad payload
+
+
+def test_hierarchical_replica_sync_is_the_same_sync_with_half_the_traffic_across_groups():
+    """hierarchical: each rank of a pair syncs its half of the parameters with the other pair's same half, then
+    the pair shares its halves: the reference's weights with half the payload across groups (the other half
+    shared inside the pair); on the outer-step path (Nesterov, bf16, overlapped) the same weights as without it."""
+    results = run_ranks(_replica_groups, 4, timeout=180, steps=9, h_base=3, extra={"hierarchical": True})
+    for rank, (mine, ref, per_step, synced, inside, across, numel, by_tag) in enumerate(results):
+        assert torch.allclose(mine, ref, atol=1e-6), (mine - ref).abs().max()
+        assert all(inside) and across == [(s + 1) % 3 == 0 for s in range(9)]
+        half = numel // 2 if rank % 2 == 0 else numel - numel // 2  # the pair's first rank holds the first half
+        for step, tags in enumerate(by_tag):
+            expected = {"group-grad": 4 * numel}
+            if (step + 1) % 3 == 0:
+                expected.update({"sync": 4 * half + STEP_PROOF_BYTES, "share-part": 4 * half})  # share: at source
+            assert tags == expected, (step, tags)
+    outer = {"outer_lr": 0.7, "outer_momentum": 0.9, "payload": "bf16", "overlap_steps": 1}
+    flat = run_ranks(_replica_groups, 4, timeout=180, steps=9, h_base=3, extra=outer)
+    hier = run_ranks(_replica_groups, 4, timeout=180, steps=9, h_base=3, extra={**outer, "hierarchical": True})
+    for rank, (a, b) in enumerate(zip(flat, hier)):
+        assert torch.allclose(a[0], b[0], atol=1e-6), (rank, (a[0] - b[0]).abs().max())
+        assert all(b[4]), "the pair holds the same weights at every step"
+        sent = [sum(t.get("sync", 0) for t in r[7]) for r in (a, b)]
+        syncs = sum(1 for t in b[7] if "sync" in t)
+        half = b[6] // 2 if rank % 2 == 0 else b[6] - b[6] // 2
+        assert syncs == 3 and sent[0] - sent[1] == syncs * 2 * (b[6] - half), sent  # bf16: the other half unsent
+        # the pair shares its fp32 halves after the anchor (step 1) and after each landed sync (steps 4 and 7;
+        # the one sent at step 9 is still in flight)
+        assert [k for k, t in enumerate(b[7]) if "share-part" in t] == [0, 3, 6], b[7]
+        assert sum(t["share-part"] for t in b[7] if "share-part" in t) == 3 * 4 * half

@@ -41,12 +41,16 @@ from .config import ConfigError, load_config
 
 def process_set_ranks(config, world_size: int, local_world_size: int):
     """The rank lists of the static process sets ``config``'s algorithm will need (groups of >= 2 ranks,
-    short of the world), as the algorithm declares them."""
-    conf = load_config(config)
-    if conf is None:
-        return []
-    groups = registry.for_config(conf).state_class.groups_needed(conf, world_size, local_world_size)
-    return [list(g) for g in groups if 1 < len(g) < world_size]
+    short of the world), as the algorithm declares them; ``config`` may be a list of configs (a job that
+    builds several hooks): the union of their sets, each once."""
+    found = []
+    for one in (config if isinstance(config, (list, tuple)) else [config]):
+        conf = load_config(one)
+        if conf is None:
+            continue
+        groups = registry.for_config(conf).state_class.groups_needed(conf, world_size, local_world_size)
+        found += [list(g) for g in groups if 1 < len(g) < world_size and list(g) not in found]
+    return found
 
 
 _RENDEZVOUS = None  # rank 0's rendezvous server, alive as long as the process
@@ -123,7 +127,8 @@ def bootstrap_gloo(placement) -> None:
 
 
 def init(config=None, **hvd_kwargs):
-    """``hvd.init()`` under any launcher, with static process sets for the groups ``config``'s algorithm needs.
+    """``hvd.init()`` under any launcher, with static process sets for the groups ``config``'s algorithm needs
+    (a list of configs: the groups of all of them).
 
     Under ``horovodrun`` it is ``hvd.init()``.  Under ``mpirun`` / ``mpiexec``
     / ``srun`` / ``torchrun`` (Horovod built without MPI, as here) it first

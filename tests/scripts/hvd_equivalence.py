@@ -38,6 +38,10 @@ VARIANTS = {
     "qsr-int8-outer": {"type": "qsr", "h_base": 3, "warmup_steps": 2, "init_h": 1, "outer_lr": 0.7,
                        "outer_momentum": 0.9, "payload": "int8", "error_feedback": True, "overlap_steps": 1,
                        "fragments": 2},
+    # replica groups whose ranks each sync their part across groups and share it inside the group (process
+    # sets across the groups; a broadcast inside a process set); plain averaging with 2 ranks (group of 1)
+    "qsr-hierarchical": {"type": "qsr", "h_base": 3, "warmup_steps": 2, "init_h": 1, "group_size": args.group_size,
+                         "hierarchical": True, "payload": "int8", "error_feedback": True, "overlap_steps": 1},
     "ab-only-b": {**AB, "mode": "only-b"},
     "ab-groups": {**AB, "mode": "groups", "group_size": args.group_size},
     "ab-groups-stale": {**AB, "mode": "groups", "group_size": args.group_size, "sync": "with-stale"},
@@ -45,7 +49,7 @@ VARIANTS = {
     "ab-x-qsr": {**AB, "mode": "groups", "group_size": args.group_size, "sync_rule": "qsr", "alpha": 0.1, "h_base": 3,
                  "payload": "int8"},
 }
-commhooks.horovod.init(VARIANTS["ab-groups"])  # static process sets for the groups (when they have >= 2 ranks)
+commhooks.horovod.init(list(VARIANTS.values()))  # static process sets for every variant's groups (of >= 2 ranks)
 info = init_distributed(timeout=60)  # torch.distributed beside Horovod, for the DDP side
 rank = hvd.rank()
 assert info["rank"] == rank and info["world_size"] == hvd.size() and info["source"] == "horovod"

@@ -44,7 +44,7 @@ through the :class:`~commhooks.algorithms.base.AlgorithmState` contract.
 from __future__ import annotations
 
 import warnings
-from typing import ClassVar, Dict, List, Literal, Optional, Tuple
+from typing import ClassVar, Dict, List, Literal, Optional, Sequence, Tuple
 
 import torch
 from pydantic import Field
@@ -57,7 +57,7 @@ from . import replicas
 from ..config import ConfigError
 from .base import AlgorithmState
 from .outer import OuterSync
-from .streaming import StreamedSyncs, send_points
+from .streaming import StreamedSyncs, send_points, split_fragments
 from .rule import QuadraticRuleFields, rule_period
 
 
@@ -85,6 +85,15 @@ class QSRConfig(QuadraticRuleFields):
     :mod:`commhooks.algorithms.outer`, :mod:`commhooks.algorithms.payload`
     and :mod:`commhooks.algorithms.streaming`.  On MNIST-1D the combination QSR
     periods + outer lr 0.7 / Nesterov 0.9 + int8 sends 1.3 % of DDP's bytes.
+
+    ``hierarchical`` (replica groups of k ranks, e.g. the GPUs of a node
+    sharing one network card): the ranks of a group hold the same weights,
+    so each sends only its 1/k of them across nodes and the group shares the
+    k parts over the node's own links afterwards: the node link carries one
+    model's worth of payload per sync instead of k (an allgather payload,
+    int8 or bf16, falls further: each part goes to one rank per group).  The
+    result is the same sync (identical weights; int8 blocks restart at each
+    part's start).  Turn it on whenever a node holds several ranks.
     """
 
     type: Literal["qsr"] = "qsr"
@@ -125,6 +134,10 @@ class QSRConfig(QuadraticRuleFields):
     fragments: Annotated[int, Field(ge=1, description=(
         "cut the parameters into this many equal runs whose syncs are staggered across the period (the "
         "link carries 1/fragments of the model at a time)"))] = 1
+    hierarchical: bool = Field(False, description=(
+        "with replica groups of k ranks: each rank syncs 1/k of the parameters with the same part of the "
+        "other groups, then the group's ranks share their parts inside the node (k times less traffic "
+        "across nodes; Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE for local SGD)"))
 
     @property
     def pseudo_gradient(self) -> bool:
@@ -171,7 +184,10 @@ class QSRState(AlgorithmState):
     @classmethod
     def groups_needed(cls, config, world_size, local_world_size):
         size = replicas.resolve_size(config.group_size, world_size, local_world_size)
-        return replicas.contiguous_groups(size, world_size, "qsr.group_size")
+        groups = replicas.contiguous_groups(size, world_size, "qsr.group_size")
+        if config.hierarchical and size > 1:  # each rank's part meets the same part of the other groups
+            groups = groups + replicas.across_groups(groups)
+        return groups
 
     engine_data_parallel = True  # an engine may run its own data parallelism (and ZeRO) inside each replica group
 
@@ -189,8 +205,12 @@ class QSRState(AlgorithmState):
         self._previous_lr: Optional[float] = None
         self._warned = set()  # warnings given once: "rising", "unbounded"
         c = self.config
+        mine = self.replica_ranks[replicas.group_of(self.replica_ranks, self.comm.rank)]
+        self.member = mine.index(self.comm.rank)  # this rank's part of the parameters (hierarchical)
+        self.hierarchical = c.hierarchical and len(mine) > 1 and not self.engine.replica_data_parallel
+        self._check_hierarchical()
         self.outer = StreamedSyncs(
-            [p.numel() for _, p in self.named_params], c.fragments,
+            [t.numel() for t in self._sync_tensors()], c.fragments,
             lambda: OuterSync(c.outer_lr, c.outer_momentum, c.outer_nesterov, c.payload, c.payload_block,
                               c.error_feedback),
             c.overlap_merge, c.overlap_alpha) if c.pseudo_gradient else None
@@ -205,6 +225,43 @@ class QSRState(AlgorithmState):
                 "(torch>=2.13) or broadcast_buffers=False, QSR averages buffers at each sync",
                 stacklevel=3,
             )
+
+    def _check_hierarchical(self) -> None:
+        """A part is a run of flat views of the parameters: they must be contiguous (ConfigError on every rank)."""
+        if self.hierarchical:
+            bent = [n for n, p in self.named_params if not p.is_contiguous()]
+            if bent:
+                raise ConfigError(f"qsr.hierarchical needs contiguous parameters (a rank's part is a view of them); "
+                                  f"not contiguous: {bent[:4]} (e.g. channels_last): use hierarchical false")
+
+    def _part(self, member: int, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Member ``member``'s part of ``tensors`` (equal runs of their concatenation): flat views that share
+        their storage."""
+        runs = split_fragments([t.numel() for t in tensors], len(self._mine()))[member]
+        return [tensors[i].detach().view(-1)[a:b] for i, a, b in runs]
+
+    def _mine(self) -> Tuple[int, ...]:
+        return self.replica_ranks[replicas.group_of(self.replica_ranks, self.comm.rank)]
+
+    def _sync_tensors(self) -> List[torch.Tensor]:
+        """What this rank syncs across groups: its part of the parameters (hierarchical), else all of them."""
+        params = self._params()
+        return self._part(self.member, params) if self.hierarchical else params
+
+    def _share_parts(self, fragment: Optional[int] = None) -> None:
+        """Hierarchical: every rank of the replica group broadcasts its freshly synced part (or fragment
+        ``fragment`` of it) to the others, over the node's own links; afterwards the group is identical."""
+        if not self.hierarchical:
+            return
+        params = self._params()
+        mine = self._mine()
+        with self.collective_context():
+            for m, src in enumerate(mine):
+                part = self._part(m, params)
+                if fragment is not None and self.outer is not None and len(self.outer.outers) > 1:
+                    runs = split_fragments([t.numel() for t in part], len(self.outer.outers))[fragment]
+                    part = [part[i].view(-1)[a:b] for i, a, b in runs]
+                self.comm.broadcast(part, src=src, group=self.replica, tag="share-part")
 
     def _check_streaming(self) -> None:
         """Local checks of overlap_steps / fragments against the tensors (ConfigError on every rank alike)."""
@@ -240,7 +297,7 @@ class QSRState(AlgorithmState):
             return
         groups = [self.comm.new_group(g, name=f"replica{i}") for i, g in enumerate(self.replica_ranks)]
         self.replica = groups[mine]
-        if self.engine.replica_data_parallel:
+        if self.engine.replica_data_parallel or self.hierarchical:
             across = replicas.across_groups(self.replica_ranks)
             shards = [self.comm.new_group(g, name=f"shard{i}") for i, g in enumerate(across)]
             self.shards = shards[replicas.group_of(across, self.comm.rank)]
@@ -253,7 +310,8 @@ class QSRState(AlgorithmState):
     def before_step(self) -> None:
         if self.outer is not None and not self.outer.anchored:  # first step: every rank's anchor, the mean
             with self.collective_context():
-                self.outer.take_anchor(self.comm, [p for _, p in self.named_params], group=self.shards)
+                self.outer.take_anchor(self.comm, self._sync_tensors(), group=self.shards)
+            self._share_parts()
             self.tensors_changed()
         lr = self.lr()
         self._check_lr(lr)
@@ -336,7 +394,11 @@ class QSRState(AlgorithmState):
             self.average([t for _, t in named], tag="sync")
         else:
             sharded, buffers = self._buffers_apart([t for _, t in named])
+            if self.hierarchical:  # this rank's part of the parameters; moments whole (same inside a group)
+                own = {id(p) for _, p in self.named_params}
+                sharded = self._sync_tensors() + [t for t in sharded if id(t) not in own]
             self.average(sharded, group=self.shards, tag="sync")
+            self._share_parts()
             if buffers:
                 self.average(buffers, tag="sync-buffers")
         self.since_sync = 0
@@ -380,14 +442,15 @@ class QSRState(AlgorithmState):
         if self.config.total_steps is not None:
             apply_at = min(apply_at, max(self.step, self.config.total_steps))
         with self.collective_context():
-            self.outer.send(k, self.comm, self._params(), self.step_proof(), self.step, apply_at,
+            self.outer.send(k, self.comm, self._sync_tensors(), self.step_proof(), self.step, apply_at,
                             group=self.shards, tag="sync")
         if apply_at <= self.step:
             self._apply_fragment(k)
 
     def _apply_fragment(self, k: int) -> None:
         with self.collective_context():
-            proofs, sent_at = self.outer.apply(k, self._params(), self.step)
+            proofs, sent_at = self.outer.apply(k, self._sync_tensors(), self.step)
+        self._share_parts(k)
         self.check_proof(proofs, self.shards, "sync", step=sent_at)
         self.tensors_changed()
 

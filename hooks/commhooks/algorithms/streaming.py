@@ -159,7 +159,12 @@ class StreamedSyncs:
         if len(state["outers"]) != len(self.outers):
             raise ValueError(f"the checkpoint holds {len(state['outers'])} fragments' outer state, this state has "
                              f"{len(self.outers)} (qsr.fragments changed?)")
-        for outer, saved in zip(self.outers, state["outers"]):
+        for k, (outer, saved) in enumerate(zip(self.outers, state["outers"])):
+            want = sum(b - a for _, a, b in self.fragments[k])
+            anchor = saved.get("anchor")
+            if anchor is not None and anchor.numel() != want:
+                raise ValueError(f"the checkpoint's anchor of fragment {k} has {anchor.numel()} elements, this rank "
+                                 f"syncs {want} (the parameters, qsr.hierarchical or the group size changed?)")
             outer.load_state_dict(saved)
         self.in_flight = {int(k): InFlight(int(f["sent_at"]), int(f["apply_at"]), f["sent_from"].clone(),
                                            Work(lambda r=(f["mean"].clone(), f["proofs"].clone()): r))

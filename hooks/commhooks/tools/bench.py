@@ -61,6 +61,11 @@ METHODS: Dict[str, List[str]] = {
     # QSR's comparison rules (arXiv 2310.14423): a constant period h_base, and H ~ 1/lr with at least QSR's syncs
     "qsr-constant": ["--config", "configs/qsr_constant_mnist1d.json"],
     "qsr-power1": ["--config", "configs/qsr_power1_mnist1d.json"],
+    # replica groups of a node's ranks that each sync their part across nodes (qsr.hierarchical), int8 changes
+    "qsr-int8-hier": ["--config", "configs/qsr_int8_hier_mnist1d.json"],
+    # the same with a constant period of 2 (alpha 0): more syncs, closer to DDP; and each sync landing a step later
+    "local-h2-int8-hier": ["--config", "configs/local_h2_int8_hier_mnist1d.json"],
+    "local-h2-int8-hier-overlap": ["--config", "configs/local_h2_int8_hier_overlap_mnist1d.json"],
     "compute-only": ["--hook", "compute-only"],
 }
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
