@@ -6,7 +6,7 @@ NPROC  ?= 2
 TRAIN  := $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m commhooks.tools.train
 DEMO   := results/demo
 
-.PHONY: install demo test bench bench-gpt bench-papers clean
+.PHONY: install demo test bench bench-gpt bench-gpt-hier bench-papers clean
 
 install:
 	@bash .ci/install.sh
@@ -29,6 +29,13 @@ bench-gpt: install
 	$(VENV)/bin/commhooks bench --model gpt --ranks 4 --nodes 2 --bandwidths 100mbit --seeds 0,1,2 \
 		--methods ddp,powersgd-r4,local-sgd-h8,qsr,qsr-constant,qsr-power1,qsr-diloco-int8-overlap,ab-groups,ab-groups-full,ab-x-qsr,compute-only \
 		--out results/bench-gpt
+
+# hierarchical syncs on the GPT workload, with the references re-run beside them (README "Hierarchical syncs on the
+# GPT workload"; about 50 min here)
+bench-gpt-hier: install
+	$(VENV)/bin/commhooks bench --model gpt --ranks 4 --nodes 2 --bandwidths 100mbit --seeds 0,1,2 \
+		--methods qsr-int8-hier,local-h2-int8-hier,local-h2-int8-hier-overlap,qsr,qsr-power1,powersgd-r4,ddp,compute-only \
+		--out results/bench-gpt-hier
 
 # the papers' comparisons on MNIST-1D, 3 seeds: QSR against a constant period and the power-1 rule, AB's first phase
 # cut (ours) against full (the authors')

@@ -205,7 +205,7 @@ class QSRState(AlgorithmState):
         self._previous_lr: Optional[float] = None
         self._warned = set()  # warnings given once: "rising", "unbounded"
         c = self.config
-        mine = self.replica_ranks[replicas.group_of(self.replica_ranks, self.comm.rank)]
+        mine = self._mine()
         self.member = mine.index(self.comm.rank)  # this rank's part of the parameters (hierarchical)
         self.hierarchical = c.hierarchical and len(mine) > 1 and not self.engine.replica_data_parallel
         self._check_hierarchical()
@@ -241,6 +241,7 @@ class QSRState(AlgorithmState):
         return [tensors[i].detach().view(-1)[a:b] for i, a, b in runs]
 
     def _mine(self) -> Tuple[int, ...]:
+        """The ranks of this rank's replica group."""
         return self.replica_ranks[replicas.group_of(self.replica_ranks, self.comm.rank)]
 
     def _sync_tensors(self) -> List[torch.Tensor]:
