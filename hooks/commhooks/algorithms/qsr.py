@@ -57,7 +57,7 @@ from . import replicas
 from ..config import ConfigError
 from .base import AlgorithmState
 from .outer import OuterSync
-from .streaming import StreamedSyncs, send_points, split_fragments
+from .streaming import StreamedSyncs, send_points, split_views
 from .rule import QuadraticRuleFields, rule_period
 
 
@@ -227,18 +227,21 @@ class QSRState(AlgorithmState):
             )
 
     def _check_hierarchical(self) -> None:
-        """A part is a run of flat views of the parameters: they must be contiguous (ConfigError on every rank)."""
+        """A part is a run of flat views of the parameters (ConfigError on every rank alike)."""
         if self.hierarchical:
-            bent = [n for n, p in self.named_params if not p.is_contiguous()]
-            if bent:
-                raise ConfigError(f"qsr.hierarchical needs contiguous parameters (a rank's part is a view of them); "
-                                  f"not contiguous: {bent[:4]} (e.g. channels_last): use hierarchical false")
+            self._require_contiguous("qsr.hierarchical needs", "a rank's part", "hierarchical false")
+
+    def _require_contiguous(self, what: str, piece: str, instead: str) -> None:
+        """ConfigError naming the non-contiguous parameters: ``piece`` would be a view of them."""
+        bent = [n for n, p in self.named_params if not p.is_contiguous()]
+        if bent:
+            raise ConfigError(f"{what} contiguous parameters ({piece} is a view of them); not contiguous: "
+                              f"{bent[:4]} (e.g. channels_last): use {instead}")
 
     def _part(self, member: int, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Member ``member``'s part of ``tensors`` (equal runs of their concatenation): flat views that share
         their storage."""
-        runs = split_fragments([t.numel() for t in tensors], len(self._mine()))[member]
-        return [tensors[i].detach().view(-1)[a:b] for i, a, b in runs]
+        return split_views(tensors, len(self._mine()), member)
 
     def _mine(self) -> Tuple[int, ...]:
         """The ranks of this rank's replica group."""
@@ -260,8 +263,7 @@ class QSRState(AlgorithmState):
             for m, src in enumerate(mine):
                 part = self._part(m, params)
                 if fragment is not None and self.outer is not None and len(self.outer.outers) > 1:
-                    runs = split_fragments([t.numel() for t in part], len(self.outer.outers))[fragment]
-                    part = [part[i].view(-1)[a:b] for i, a, b in runs]
+                    part = split_views(part, len(self.outer.outers), fragment)
                 self.comm.broadcast(part, src=src, group=self.replica, tag="share-part")
 
     def _check_streaming(self) -> None:
@@ -271,10 +273,7 @@ class QSRState(AlgorithmState):
             numel = sum(p.numel() for _, p in self.named_params)
             if c.fragments > numel:
                 raise ConfigError(f"qsr.fragments must be <= the {numel} synced elements, got {c.fragments}")
-            bent = [n for n, p in self.named_params if not p.is_contiguous()]
-            if bent:
-                raise ConfigError(f"qsr.fragments > 1 needs contiguous parameters (a fragment is a view of them); "
-                                  f"not contiguous: {bent[:4]} (e.g. channels_last): use fragments 1")
+            self._require_contiguous("qsr.fragments > 1 needs", "a fragment", "fragments 1")
         if c.overlap_steps >= c.h_base:
             warnings.warn(
                 f"QSR: overlap_steps={c.overlap_steps} >= h_base={c.h_base}: at periods of {c.overlap_steps} steps or "

@@ -76,6 +76,17 @@ def split_fragments(sizes: Sequence[int], count: int) -> List[List[Tuple[int, in
     return runs
 
 
+def run_views(tensors: Sequence[torch.Tensor], pieces: Sequence[Tuple[int, int, int]]) -> List[torch.Tensor]:
+    """The pieces ``(tensor index, start, end)`` of a run of ``tensors`` as flat views that share their storage
+    (writes land in the tensors)."""
+    return [tensors[i].detach().view(-1)[a:b] for i, a, b in pieces]
+
+
+def split_views(tensors: Sequence[torch.Tensor], count: int, k: int) -> List[torch.Tensor]:
+    """Run ``k`` of ``count`` equal runs of the concatenation of ``tensors`` (:func:`split_fragments`), as views."""
+    return run_views(tensors, split_fragments([t.numel() for t in tensors], count)[k])
+
+
 def send_points(period: int, count: int) -> Dict[int, List[int]]:
     """Step of the round (1..period) -> fragments sent after it; the last fragment at ``period``."""
     points: Dict[int, List[int]] = {}
@@ -107,7 +118,7 @@ class StreamedSyncs:
         """Fragment ``k`` of ``tensors``: flat views that share their storage (writes land in the tensors)."""
         if len(self.fragments) == 1:
             return list(tensors)
-        return [tensors[i].detach().view(-1)[a:b] for i, a, b in self.fragments[k]]
+        return run_views(tensors, self.fragments[k])
 
     @property
     def anchored(self) -> bool:
