@@ -8,7 +8,11 @@ weights) its own, so every rank writes its own file::
 
 Each rank file holds the model, the optimizer, the hook state (QSR: step,
 since_sync, H; AB: step, phase clock, bases, ranks), the lr scheduler and the
-RNG state.  Saving is collective:
+RNG states (the CPU's, and the CUDA device's the model is on: dropout on a GPU
+draws from it).  Files are read onto the CPU and every tensor then goes where
+its owner lives (the model's and the optimizer's to their parameters, the
+hook's to the synced tensors' device), so a checkpoint written on one device
+loads on another.  Saving is collective:
 
 1. the ranks agree on the step first (a rank at another step is a
    DivergenceError on every rank, before anything is written);
@@ -55,6 +59,15 @@ class CheckpointError(RuntimeError):
 
 
 # ------------------------------------------------------------------ collectives (state's Comm, else dist)
+
+
+def _device(state, model) -> torch.device:
+    """Where the agreement tensors go: the hook's device, else the model's (an NCCL group refuses CPU tensors)."""
+    if state is not None and hasattr(state, "comm"):
+        return state.comm.device
+    module = getattr(model, "module", model)
+    return next((p.device for p in module.parameters()), torch.device("cpu")) if module is not None else \
+        torch.device("cpu")
 
 
 def _rank_world(state) -> Tuple[int, int]:
@@ -112,8 +125,16 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
             raise ValueError("save_checkpoint needs step= when no hook state is given")
         step = state.step
     rank, world = _rank_world(state)
-    spread = _allreduce_max(state, torch.tensor([float(step), -float(step)], dtype=torch.float64))
+    nonfinite = float(bool(state is not None and hasattr(state, "nonfinite_seen") and state.nonfinite_seen()))
+    spread = _allreduce_max(state, torch.tensor([float(step), -float(step), nonfinite], dtype=torch.float64,
+                                                device=_device(state, model))).tolist()
     high, low = int(spread[0]), -int(spread[1])
+    if spread[2]:
+        from .algorithms.consistency import NonFiniteError
+
+        raise NonFiniteError(
+            f"save_checkpoint at step {step}: a rank saw a NaN or Inf gradient since its last sync (the weights may "
+            "hold it; nothing was written); the rank that saw it names the step and the parameters at its next sync")
     if high != low:
         raise DivergenceError(
             f"save_checkpoint: the ranks are at different steps (from {low} to {high}; this rank {rank} at {step}): "
@@ -136,6 +157,7 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
         "hook": None if state is None else state.state_dict(),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "rng": torch.get_rng_state(),
+        "cuda_rng": _cuda_rng_state(model),
         "extra": extra,
     }, folder / f"rank{rank}.pt")
     _barrier(state)  # every rank's file is on disk before the manifest and `latest` name the folder
@@ -228,7 +250,9 @@ def load_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
             warnings.warn(f"{root / 'latest'} names {named.name}, which is not a complete checkpoint; "
                           "looking at the complete ones beside it", stacklevel=2)
     # every rank walks the same list, so every rank makes the same decisions
-    seen = _allreduce_max(state, torch.tensor([len(candidates), -len(candidates)], dtype=torch.float64))
+    device = _device(state, model)
+    seen = _allreduce_max(state, torch.tensor([len(candidates), -len(candidates)], dtype=torch.float64,
+                                              device=device)).tolist()
     if int(seen[0]) != -int(seen[1]):
         raise CheckpointError(f"the ranks see different checkpoints in {root} (is it on a shared filesystem?)")
     if not candidates:
@@ -241,10 +265,10 @@ def load_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
             ck, why = _read(path)
             if ck is not None and ck.get("step") != (_manifest(folder) or {}).get("step", ck.get("step")):
                 ck, why = None, f"{path} holds step {ck.get('step')}, not the folder's"
-        failed = torch.zeros(world, dtype=torch.float64)
+        failed = [0.0] * world
         failed[rank] = 0.0 if ck is not None else 1.0
-        _allreduce_max(state, failed)
-        if not bool(failed.any()):
+        failed = _allreduce_max(state, torch.tensor(failed, dtype=torch.float64, device=device)).tolist()
+        if not any(failed):
             _restore(ck, model, optimizer, state, scheduler)
             if skipped:
                 warnings.warn(f"resumed from {folder.name}; skipped newer checkpoints: {'; '.join(skipped)}",
@@ -270,3 +294,17 @@ def _restore(ck: dict, model, optimizer, state, scheduler) -> None:
     if scheduler is not None and ck["scheduler"] is not None:
         scheduler.load_state_dict(ck["scheduler"])
     torch.set_rng_state(ck["rng"])
+    device = _model_device(model)
+    if ck.get("cuda_rng") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(ck["cuda_rng"], device)
+
+
+def _model_device(model) -> torch.device:
+    module = getattr(model, "module", model)
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
+def _cuda_rng_state(model) -> Optional[torch.Tensor]:
+    """The RNG state of the CUDA device the model is on (None for a model elsewhere)."""
+    device = _model_device(model)
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else None

@@ -494,5 +494,5 @@ def load_checkpoint(engine, load_dir, tag=None, **kwargs):
         if not os.path.exists(hook_file):
             raise CheckpointError(f"{hook_file} is missing: the checkpoint was not written by "
                                   "commhooks.deepspeed.save_checkpoint (the hook's schedule cannot resume)")
-        state.load_state_dict(torch.load(hook_file, weights_only=True))
+        state.load_state_dict(torch.load(hook_file, map_location="cpu", weights_only=True))
     return path, client_state

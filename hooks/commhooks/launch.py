@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
+import inspect
 import os
 import re
 import socket
@@ -269,7 +270,14 @@ def init_distributed(backend: Optional[str] = None, timeout: float = 300.0) -> d
     """Initialise the default process group once; return the placement as a dict.
 
     ``timeout`` (seconds) bounds the rendezvous and every collective of the
-    default group, so a missing rank fails the job instead of hanging it.
+    default group, so a missing rank fails the job instead of hanging it (on
+    NCCL through its watchdog, which aborts a collective stuck past it).
+
+    ``backend``: default ``"nccl"`` where CUDA and NCCL are present, else
+    ``"gloo"``.  With NCCL (any backend string naming it or ``cuda``) the
+    process binds ``cuda:LOCAL_RANK`` (``torch.cuda.set_device``) and passes it
+    as ``device_id`` to ``init_process_group``, so the communicator is made
+    for that GPU at once.
     """
     if dist.is_initialized():
         check_world_size(dist.get_world_size(), "torch.distributed")
@@ -305,10 +313,12 @@ def init_distributed(backend: Optional[str] = None, timeout: float = 300.0) -> d
         MASTER_PORT=str(p.master_port),
     )
     backend = backend or default_backend()
-    if backend == "nccl":
-        torch.cuda.set_device(p.local_rank)
     td = datetime.timedelta(seconds=timeout)
     kwargs = {}
+    if "nccl" in backend or "cuda" in backend:
+        torch.cuda.set_device(p.local_rank)
+        if "nccl" in backend and "device_id" in inspect.signature(dist.init_process_group).parameters:
+            kwargs["device_id"] = torch.device("cuda", p.local_rank)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun restarts reuse the agent's store: without a per-attempt prefix, a restarted rank can read
         # the dead attempt's gloo addresses and fail with "connection refused"

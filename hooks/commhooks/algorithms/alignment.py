@@ -44,9 +44,12 @@ from .consistency import DivergenceError
 
 # the step is proved in base 64: three limbs (steps below 262,144 compared exactly, beyond that modulo it)
 # and their squares, plus the step itself (only for the message); then log2 of the GradScaler scale the rank
-# last used (0 without one) and its square; all exact in float32 sums
+# last used (0 without one) and its square; then 1 if the rank saw a NaN/Inf gradient since (the nonfinite
+# guard's record, read here at the sync rather than on every step); all exact in float32 sums
 _LIMBS = 3
-PROOF_ELEMENTS = 2 * _LIMBS + 1 + 2
+_SCALE = 2 * _LIMBS + 1  # index of log2(scale); its square follows
+_NONFINITE = _SCALE + 2
+PROOF_ELEMENTS = _NONFINITE + 1
 STEP_PROOF_BYTES = 4 * PROOF_ELEMENTS  # added to the payload of every sync
 
 LIKELY_CAUSES = (
@@ -57,23 +60,42 @@ LIKELY_CAUSES = (
 )
 
 
-def step_proof(step: int, scale: Optional[float] = None) -> torch.Tensor:
-    """The elements a rank adds to its sync payload to prove it is at ``step`` (and to show its AMP scale)."""
+def step_proof(step: int, scale=None, nonfinite: Optional[torch.Tensor] = None,
+               device: Optional[torch.device] = None) -> torch.Tensor:
+    """The elements a rank adds to its sync payload to prove it is at ``step`` (and to show its AMP scale and
+    whether it saw a NaN/Inf gradient), made on ``device``.  ``scale``: a float or a one-element tensor (read on
+    the device, no host stall); ``nonfinite``: a one-element float32 tensor, 1 or 0."""
+    device = torch.device("cpu") if device is None else device
     limbs = [(step >> (6 * i)) & 63 for i in range(_LIMBS)]
-    log_scale = float(round(math.log2(scale))) if scale else 0.0
-    return torch.tensor(limbs + [x * x for x in limbs] + [float(step), log_scale, log_scale * log_scale],
-                        dtype=torch.float32)
+    counters = torch.tensor(limbs + [x * x for x in limbs] + [float(step)], dtype=torch.float32, device=device)
+    if isinstance(scale, torch.Tensor):
+        log_scale = torch.round(torch.log2(scale.detach().reshape(1).to(device=device, dtype=torch.float32)))
+    else:
+        value = float(round(math.log2(scale))) if scale else 0.0
+        log_scale = torch.full((1,), value, dtype=torch.float32, device=device)
+    flag = torch.zeros(1, dtype=torch.float32, device=device) if nonfinite is None else nonfinite.to(device)
+    return torch.cat([counters, log_scale, log_scale * log_scale, flag.reshape(1)])
 
 
-def scales_differ(mean: torch.Tensor, size: int) -> bool:
-    """After the sync: did the ranks' GradScaler scales (log2, in the proof) differ?"""
+def proof_sums(mean: torch.Tensor, size: int) -> List[float]:
+    """The ranks' proofs summed (``mean * size``, rounded: every element is an integer), read to the host once."""
+    return torch.round(mean.double() * size).tolist()
+
+
+def scales_differ(sums: Sequence[float], size: int) -> bool:
+    """After the sync (``sums``: :func:`proof_sums`): did the ranks' GradScaler scales (log2) differ?"""
     if size == 1:
         return False
-    s1, s2 = torch.round(mean[-2:].double() * size)
-    return bool(size * s2 != s1 * s1)
+    s1, s2 = sums[_SCALE], sums[_SCALE + 1]
+    return size * s2 != s1 * s1
 
 
-def check_step_proof(mean: torch.Tensor, step: int, size: int, rank: int, what: str) -> None:
+def nonfinite_ranks(sums: Sequence[float]) -> int:
+    """After the sync (``sums``: :func:`proof_sums`): how many ranks saw a NaN/Inf gradient since their last sync."""
+    return int(sums[_NONFINITE])
+
+
+def check_step_proof(sums: Sequence[float], step: int, size: int, rank: int, what: str) -> None:
     """Raise DivergenceError (on every rank alike) if the averaged proof shows different steps.
 
     The ranks' limbs x_i agree iff ``n * sum(x_i^2) == (sum x_i)^2``; every rank
@@ -81,11 +103,10 @@ def check_step_proof(mean: torch.Tensor, step: int, size: int, rank: int, what: 
     """
     if size == 1:
         return
-    sums = torch.round(mean.double() * size)
     first, squares = sums[:_LIMBS], sums[_LIMBS:2 * _LIMBS]
-    if bool((size * squares == first * first).all()):
+    if all(size * q == f * f for f, q in zip(first, squares)):
         return
-    total = float(sums[2 * _LIMBS])
+    total = sums[2 * _LIMBS]
     others = f"the other rank is at step {int(round(total - step))}" if size == 2 else (
         f"the {size} ranks' steps add up to {int(round(total))} (mean {total / size:.2f})")
     raise DivergenceError(
@@ -119,8 +140,10 @@ def apply_scaler(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor
                  grad_scale: Optional[torch.Tensor], found_inf: torch.Tensor) -> bool:
     """Do what ``GradScaler`` would have: drop the gradients on overflow (True), else unscale them.
 
-    The scaler's two attributes are then set to None: the optimizer's own step must not apply them
-    again (torch's non-fused optimizers refuse them), and the scaler still finds them to delete.
+    One host read (``found_inf``), the one torch's own ``GradScaler.step`` makes for a non-fused optimizer:
+    whether to step at all must be known on the host.  The scaler's two attributes are then set to None:
+    the optimizer's own step must not apply them again (torch's non-fused optimizers refuse them), and the
+    scaler still finds them to delete.
     """
     optimizer.grad_scale = None
     optimizer.found_inf = None
@@ -129,10 +152,13 @@ def apply_scaler(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor
             p.grad = None  # torch's optimizers then leave p, its momentum and its weight decay alone
         return True
     if grad_scale is not None:
-        inv = grad_scale.double().reciprocal().float()
         grads: List[torch.Tensor] = [p.grad for p in params if p.grad is not None]
+        by_device: dict = {}
         for g in grads:
-            g.mul_(inv.to(g.device))
+            by_device.setdefault((g.device, g.dtype), []).append(g)
+        inv = grad_scale.double().reciprocal().float()
+        for (device, _), same in by_device.items():
+            torch._foreach_mul_(same, inv.to(device))
     return False
 
 

@@ -74,10 +74,21 @@ from ..comm import CollectiveError, Comm, Work
 from ..config import ConfigError, HookConfig, from_dict, load_config, to_dict
 from . import alignment
 from .averaging import average_, float_buffers
-from .consistency import guard_gradients, verify_identical, verify_same_everywhere
+from .consistency import NonFiniteError, NonfiniteGuard, skip_gradients, verify_identical, verify_same_everywhere
 
 
 log = logging.getLogger("commhooks")
+
+
+def tensors_to(obj, device: torch.device):
+    """``obj`` (dicts, lists, tuples of tensors and plain values) with every tensor on ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: tensors_to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tensors_to(v, device) for v in obj)
+    return obj
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,11 +192,16 @@ class AlgorithmState:
         own = {id(p) for p in self.module.parameters()} if self.module is not None else set()
         self._names_given = self.module is None or not {id(p) for _, p in self.named_params} <= own
         self._name_of = {id(p): n for n, p in self.named_params}
+        # where the synced tensors live: every tensor the state hands to a collective is made there (an
+        # NCCL-only process group refuses CPU tensors)
+        self.device = next((p.device for _, p in self.named_params), torch.device("cpu"))
+        self._guard = NonfiniteGuard([n for n, _ in self.named_params])
         self.validate()  # local checks first: a bad setting raises on every rank before any collective
         if comm is None:
             from ..comm.torch_dist import TorchComm
 
-            comm = TorchComm(process_group, timeout_s=self.config.timeout_s)
+            comm = TorchComm(process_group, timeout_s=self.config.timeout_s, device=self.device)
+        comm.device = self.device
         self.comm = comm
         self.step = 0
         self.syncs = 0
@@ -193,7 +209,7 @@ class AlgorithmState:
         self.sync_steps: List[int] = []  # optimizer steps after which a sync happened (this process)
         self.joined = False  # True while this rank shadows the others inside a Join context
         self.scaler = None  # a torch.amp.GradScaler whose scale the syncs keep equal (use_scaler)
-        self._last_scale: Optional[float] = None  # the scale a GradScaler handed to the last step
+        self._last_scale: Optional[torch.Tensor] = None  # the scale a GradScaler handed to the last step (device)
         self._warned_scales = False
         self._join_config = None  # set by torch's Join context manager
         self.setup()
@@ -309,18 +325,25 @@ class AlgorithmState:
         starts the iteration (:meth:`begin_step`)."""
         grad_scale, found_inf = alignment.scaler_inputs(optimizer)
         if grad_scale is not None:
-            self._last_scale = float(grad_scale)
+            self._last_scale = grad_scale.detach()  # a fresh tensor each step (scale * 1): no copy, no host read
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if found_inf is not None:  # a GradScaler checked these gradients: it, not the guard, decides
             if any(optimizer is o for o in self._amp_owned) and alignment.apply_scaler(optimizer, params, grad_scale, found_inf):
                 self.skipped_steps += 1
         else:
-            own = {id(p) for p in params}
-            named = [(n, p) for n, p in self.named_params if id(p) in own]
-            if guard_gradients(named, self.config.nonfinite, self.step, self.comm.rank):
-                self.skipped_steps += 1
+            self._guard_step(params)
         if starts:
             self.begin_step()
+
+    def _guard_step(self, params: Sequence[torch.Tensor]) -> None:
+        """The ``nonfinite`` policy on this optimizer's gradients: ``"raise"`` records on the device (read at the
+        next sync, no host stall); ``"skip"`` drops the update now (one host read per step)."""
+        own = {id(p) for p in params}
+        positions = [(i, p) for i, (_, p) in enumerate(self.named_params) if id(p) in own]
+        skip = self.config.nonfinite == "skip"
+        bad = self._guard.observe([(i, p.grad) for i, p in positions], self.step, record=not skip)
+        if skip and skip_gradients([(self.named_params[i][0], p) for i, p in positions], bad):
+            self.skipped_steps += 1
 
     def begin_step(self) -> None:
         """Before each iteration's first optimizer step: tell a Join context this rank is still training,
@@ -347,6 +370,13 @@ class AlgorithmState:
         """Start reducing one bucket of gradients in place (only states with ``reduces_gradients``)."""
         raise NotImplementedError(f"{type(self).__name__} does not reduce gradients (reduces_gradients=False)")
 
+    def grad_key(self, params: Sequence[torch.Tensor]) -> Optional[str]:
+        """The names of ``params``, for a backend that pairs calls by name (Horovod: gradient hooks fire in an
+        order that may differ between ranks); None for the others (nothing to compute)."""
+        if not self.comm.names_calls:
+            return None
+        return ",".join(self._name_of.get(id(p), "?") for p in params)
+
     def sync(self) -> None:
         """Average the model over the world now (subclasses define what that means)."""
         raise NotImplementedError
@@ -363,26 +393,41 @@ class AlgorithmState:
         call): ranks at different steps raise DivergenceError on every rank.  A failed or timed-out
         collective says which step it was and what usually causes it.
         """
-        device = next((t.device for t in tensors), torch.device("cpu"))
-        proof = self.step_proof().to(device)
+        proof = self.step_proof()
         with self.collective_context():
             average_(self.comm, tensors, group=group, tag=tag, rider=proof)
         self.check_proof(proof, group, tag)
 
     def step_proof(self) -> torch.Tensor:
-        """This rank's step proof (and GradScaler scale), to ride in a sync's payload."""
-        scale = self.scaler.get_scale() if self.scaler is not None else self._last_scale
-        return alignment.step_proof(self.step, scale)
+        """This rank's step proof (GradScaler scale, NaN/Inf record), on the synced tensors' device, to ride in a
+        sync's payload."""
+        scale = self.scaler._scale if self.scaler is not None and self.scaler._scale is not None else self._last_scale
+        return alignment.step_proof(self.step, scale, self._guard.indicator(self.device), self.device)
 
     def check_proof(self, mean: torch.Tensor, group, tag: str, step: Optional[int] = None) -> None:
         """After a sync: the ranks' mean proof shows the same step everywhere (else DivergenceError on every
-        rank); equalize GradScaler scales that parted.  ``step``: the step the proof was made at (default:
-        now; a sync applied later was sent earlier)."""
+        rank) and no NaN/Inf gradient on any rank (else NonFiniteError on every rank); equalize GradScaler
+        scales that parted.  ``step``: the step the proof was made at (default: now; a sync applied later was
+        sent earlier).  A few host reads: the sync's cost, stated in the README."""
         size = self.comm.size if group is None else group.size
         step = self.step if step is None else step
-        alignment.check_step_proof(mean, step, size, self.comm.rank, f"{self.display_name} {tag} at step {step}")
-        if alignment.scales_differ(mean, size):
+        sums = alignment.proof_sums(mean, size)  # the sync's one host read of its proof
+        alignment.check_step_proof(sums, step, size, self.comm.rank, f"{self.display_name} {tag} at step {step}")
+        bad = alignment.nonfinite_ranks(sums)
+        if bad:
+            self._raise_nonfinite(bad, f"{tag} at step {self.step}")
+        if alignment.scales_differ(sums, size):
             self._equalize_scales(group)
+
+    def _raise_nonfinite(self, ranks: int, where: str) -> None:
+        raise NonFiniteError(
+            f"NaN or Inf gradient on {ranks} rank(s) since the last sync, found at the {self.display_name} {where}: "
+            f"{self._guard.message(self.comm.rank)} (nonfinite='raise' checks on the device and reads the record at "
+            "each sync and checkpoint; set nonfinite='skip' to skip such steps instead)")
+
+    def nonfinite_seen(self) -> bool:
+        """Whether this rank saw a NaN/Inf gradient under ``nonfinite="raise"`` (host read)."""
+        return self._guard.seen() is not None
 
     @contextlib.contextmanager
     def collective_context(self):
@@ -411,9 +456,9 @@ class AlgorithmState:
                     stacklevel=3)
             return
         scale = self.scaler._scale  # GradScaler keeps it as a one-element tensor
-        lowest = -scale.detach().double().reshape(1).cpu()
+        lowest = -scale.detach().double().reshape(1).to(self.device)
         self.comm.allreduce([lowest], op="max", group=group, tag="amp-scale", metered=False)
-        scale.fill_(-float(lowest.item()))
+        scale.copy_((-lowest).to(device=scale.device, dtype=scale.dtype).reshape(scale.shape))
         self.scaler._growth_tracker.zero_()  # restart growth from the common scale, as after a backoff
 
     def agree_on_period(self, local: Optional[int]) -> Optional[int]:
@@ -423,7 +468,8 @@ class AlgorithmState:
         joining = self._join_config is not None and self._join_config.enable
         if not (joining or self.engine.lr_may_differ) or self.comm.size == 1:
             return local
-        value = torch.tensor([0.0 if self.joined or local is None else float(local)], dtype=torch.float64)
+        value = torch.tensor([0.0 if self.joined or local is None else float(local)], dtype=torch.float64,
+                             device=self.device)
         self.comm.allreduce([value], op="max", tag="join", metered=False)
         return int(value.item())
 
@@ -467,6 +513,7 @@ class AlgorithmState:
                                {"new": [(n, tuple(p.shape)) for n, p in new], "step": self.step})
         self.named_params = self.named_params + new
         self._name_of = {id(p): n for n, p in self.named_params}
+        self._guard.extend([n for n, _ in new])
         self.parameters_added(new)
         return [n for n, _ in new]
 
@@ -480,7 +527,7 @@ class AlgorithmState:
 
     @property
     def join_device(self) -> torch.device:
-        return next((p.device for _, p in self.named_params), torch.device("cpu"))
+        return self.device
 
     @property
     def join_process_group(self):
@@ -515,11 +562,17 @@ class AlgorithmState:
         self._amp_owned = []
 
     def state_dict(self) -> dict:
-        """The counters and the subclass's :meth:`algorithm_state_dict` (tensors and plain types only)."""
+        """The counters and the subclass's :meth:`algorithm_state_dict` (tensors and plain types only).  Refused
+        (NonFiniteError) after a NaN/Inf gradient under ``nonfinite="raise"``: the weights may hold it."""
+        if self.nonfinite_seen():
+            self._raise_nonfinite(1, f"checkpoint at step {self.step}")
         return {"step": self.step, "syncs": self.syncs, "skipped_steps": self.skipped_steps,
                 "config": to_dict(self.config), **self.algorithm_state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; every tensor in it lands on the synced tensors' device first (a checkpoint
+        is read onto the CPU, and may come from another device)."""
+        state = tensors_to(state, self.device)
         self.step = int(state["step"])
         self.syncs = int(state.get("syncs", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))

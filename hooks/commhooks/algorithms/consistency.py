@@ -10,14 +10,19 @@ raising while the others wait for it at the next collective.
   otherwise the error names the tensors that diverged.
 * :func:`nonfinite_anywhere` before an SVD: a NaN/Inf weight on any rank is
   named, instead of a LinAlgError from deep inside torch.
-* :func:`nonfinite_grads` before a step (local: no communication).
+* :class:`NonfiniteGuard` before a step: a device-side record of NaN/Inf
+  gradients, read at the next sync (no host read on a step that does not sync).
+
+Every tensor handed to a collective is made on ``comm.device`` (the synced
+tensors' device): an NCCL-only process group refuses CPU tensors.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import List, Sequence, Tuple
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,8 +49,11 @@ def spread_over_ranks(comm: Comm, values: torch.Tensor, group=None, tag: str = "
 
 def verify_same_everywhere(comm: Comm, what: str, description: dict) -> None:
     """Raise ConfigError on every rank if ``description`` (JSON-able) differs between ranks."""
+    if comm.size == 1:
+        return  # nobody to disagree with
     digest = hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).digest()
-    words = torch.tensor([int.from_bytes(digest[i:i + 3], "big") for i in range(0, 24, 3)], dtype=torch.float64)
+    words = torch.tensor([int.from_bytes(digest[i:i + 3], "big") for i in range(0, 24, 3)], dtype=torch.float64,
+                         device=comm.device)
     hi, lo = spread_over_ranks(comm, words)
     if not torch.equal(hi, lo):
         raise ConfigError(
@@ -59,55 +67,126 @@ def verify_identical(comm: Comm, named: Sequence[Tuple[str, torch.Tensor]], when
     checksums differ."""
     if (comm.size if group is None else group.size) == 1 or not named:
         return
-    sums = torch.stack([torch.stack([t.detach().double().sum(), t.detach().double().abs().sum()]) for _, t in named])
+    sums = torch.stack([torch.stack([t.detach().double().sum(), t.detach().double().abs().sum()]).to(comm.device)
+                        for _, t in named])
     hi, lo = spread_over_ranks(comm, sums.reshape(-1), group=group)
-    differ = (hi != lo).reshape(-1, 2).any(dim=1)
-    if bool(differ.any()):
-        names = [n for (n, _), bad in zip(named, differ.tolist()) if bad]
+    differ = (hi != lo).reshape(-1, 2).any(dim=1).tolist()  # one host read
+    if any(differ):
+        names = [n for (n, _), bad in zip(named, differ) if bad]
         raise DivergenceError(f"{when}: {len(names)} tensor(s) differ across ranks: {', '.join(names[:20])}")
 
 
 def nonfinite_anywhere(comm: Comm, named: Sequence[Tuple[str, torch.Tensor]], when: str) -> None:
-    """Raise NonFiniteError on every rank if any rank has a NaN/Inf in one of the tensors."""
-    flags = torch.tensor([0.0 if bool(torch.isfinite(t).all()) else 1.0 for _, t in named], dtype=torch.float64)
+    """Raise NonFiniteError on every rank if any rank has a NaN/Inf in one of the tensors (one host read)."""
+    if not named:
+        return
+    flags = torch.stack([(~torch.isfinite(t).all()).to(device=comm.device, dtype=torch.float64)
+                         for _, t in named])
     if comm.size > 1:
         comm.allreduce([flags], op="max", tag="check", metered=False)
-    if bool(flags.any()):
-        names = [n for (n, _), f in zip(named, flags.tolist()) if f]
+    bad = flags.tolist()
+    if any(bad):
+        names = [n for (n, _), f in zip(named, bad) if f]
         raise NonFiniteError(f"{when}: NaN or Inf in {', '.join(names[:20])} (on at least one rank)")
 
 
-def nonfinite_grads(named: Sequence[Tuple[str, torch.Tensor]]) -> List[str]:
-    """Names of the parameters whose gradient holds a NaN or Inf (local check).
+def _max_abs(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's largest |element| in float32, fused per (device, dtype) (NaN if it holds a NaN);
+    stacked on the first gradient's device.  No host read."""
+    groups: Dict[tuple, List[int]] = defaultdict(list)
+    for i, g in enumerate(grads):
+        groups[(g.device, g.dtype)].append(i)
+    out: List[torch.Tensor] = [grads[0]] * len(grads)  # every slot is filled below
+    for members in groups.values():
+        norms = torch._foreach_norm([grads[i] for i in members], float("inf"), dtype=torch.float32)
+        for i, n in zip(members, norms):
+            out[i] = n
+    device = grads[0].device
+    return torch.stack([n.to(device) for n in out])
 
-    Fast path: one sum per gradient, all checked at once (a NaN or Inf makes
-    its sum non-finite); only a non-finite sum is confirmed element-wise, so
-    a finite gradient whose sum overflows is not reported.
+
+class NonfiniteGuard:
+    """The ``nonfinite`` gradient check before each optimizer step, without stalling a GPU.
+
+    Reading a flag on the host (``bool(...)``, ``.item()``) makes the CPU wait until the GPU's queue
+    drains, on every step.  Instead :meth:`observe` records on the device, per parameter, the first step
+    whose gradient held a NaN or Inf (one fused max-|g| per dtype, a few tiny kernels, no host read);
+    the record is read only where it must be: at the next sync (it rides in the step proof, so every rank
+    learns that some rank saw one and all raise together, before a checkpoint could store the bad
+    weights) and when a checkpoint is written.  So with ``"raise"`` the error names the step and the
+    parameters, raised at the next sync rather than at the step itself.
+
+    ``"skip"`` must decide on the host whether to drop this step's update: one host read per step
+    (:meth:`skip_now`), the cost of that policy.
     """
-    with_grad = [(n, p.grad) for n, p in named if p.grad is not None]
-    if not with_grad:
-        return []
-    sums = torch.stack([g.sum(dtype=torch.float32) for _, g in with_grad])
-    if bool(torch.isfinite(sums).all()):
-        return []
-    return [n for (n, g), ok in zip(with_grad, torch.isfinite(sums).tolist()) if not ok and not bool(torch.isfinite(g).all())]
+
+    def __init__(self, names: Sequence[str]):
+        self.names = list(names)
+        self.first: Optional[torch.Tensor] = None  # int64 per parameter: first bad step, -1 if none
+        self._index: Dict[Tuple[int, ...], torch.Tensor] = {}
+
+    def _bad(self, positions: Sequence[int], grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        device = grads[0].device
+        if self.first is None or self.first.device != device:
+            first = torch.full((len(self.names),), -1, dtype=torch.int64, device=device)
+            self.first = first if self.first is None else self.first.to(device)
+        key = tuple(positions)
+        if key not in self._index:  # made once per set of parameters with gradients (usually once)
+            self._index[key] = torch.tensor(key, dtype=torch.int64, device=device)
+        bad = torch.zeros(len(self.names), dtype=torch.bool, device=device)
+        bad[self._index[key]] = ~torch.isfinite(_max_abs(grads))
+        return bad
+
+    def observe(self, named: Sequence[Tuple[int, torch.Tensor]], step: int, record: bool = True) -> Optional[torch.Tensor]:
+        """Check this step's gradients ``(position in names, gradient)`` and (``record``) keep the first bad step
+        of each parameter; returns the per-parameter bad flags (device tensor), or None without gradients.
+        No host read."""
+        named = [(i, g) for i, g in named if g is not None]
+        if not named:
+            return None
+        bad = self._bad([i for i, _ in named], [g for _, g in named])
+        if record:
+            self.first = torch.where(bad & (self.first < 0), step, self.first)
+        return bad
+
+    def extend(self, names: Sequence[str]) -> None:
+        """Parameters that joined the sync: recorded from now on."""
+        self.names += list(names)
+        self._index.clear()
+        if self.first is not None:
+            pad = torch.full((len(names),), -1, dtype=torch.int64, device=self.first.device)
+            self.first = torch.cat([self.first, pad])
+
+    def indicator(self, device: torch.device) -> torch.Tensor:
+        """1.0 if a bad gradient was seen since the record was cleared, else 0.0 (float32, on ``device``)."""
+        if self.first is None:
+            return torch.zeros(1, dtype=torch.float32, device=device)
+        return (self.first >= 0).any().to(device=device, dtype=torch.float32).reshape(1)
+
+    def seen(self) -> Optional[Tuple[int, List[str]]]:
+        """(first bad step, the parameters' names) if any was seen, else None.  Host read."""
+        if self.first is None:
+            return None
+        first = self.first.tolist()
+        bad = [(s, n) for s, n in zip(first, self.names) if s >= 0]
+        if not bad:
+            return None
+        step = min(s for s, _ in bad)
+        return step, [n for s, n in bad if s == step]
+
+    def message(self, rank: int) -> str:
+        seen = self.seen()
+        if seen is None:
+            return f"none on this rank ({rank}); the rank(s) that saw one name the step and the parameters"
+        step, names = seen
+        return f"at optimizer step {step} on rank {rank} in: {', '.join(names[:20])}"
 
 
-def guard_gradients(named: Sequence[Tuple[str, torch.Tensor]], policy: str, step: int, rank: int) -> bool:
-    """Apply the ``nonfinite`` policy before an optimizer step; True if the step was skipped.
-
-    ``"skip"`` drops every gradient (``grad = None``: torch's optimizers then
-    leave the parameters, momentum and weight decay alone) but the step still
-    counts, so the schedule stays the same on every rank.
-    """
-    bad = nonfinite_grads(named)
-    if not bad:
+def skip_gradients(named: Sequence[Tuple[str, torch.Tensor]], bad: Optional[torch.Tensor]) -> bool:
+    """``nonfinite="skip"``: drop every gradient (``grad = None``: torch's optimizers then leave the parameters,
+    momentum and weight decay alone) if ``bad`` flags any; True if dropped.  One host read."""
+    if bad is None or not bool(bad.any()):
         return False
-    if policy == "raise":
-        raise NonFiniteError(
-            f"NaN or Inf gradient at optimizer step {step} on rank {rank} in: {', '.join(bad[:20])} "
-            "(set nonfinite='skip' to skip such steps instead)"
-        )
     for _, p in named:
         p.grad = None
     return True

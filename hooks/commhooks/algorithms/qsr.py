@@ -305,7 +305,7 @@ class QSRState(AlgorithmState):
     def reduce_gradients(self, grads, params, flat=None):
         """Replica groups: the mean gradient of the group, every step (the engine's own data parallelism)."""
         return self.comm.allreduce([flat] if flat is not None else grads, op="mean", group=self.replica,
-                                   async_op=True, tag="group-grad")
+                                   async_op=True, tag="group-grad", key=self.grad_key(params))
 
     def before_step(self) -> None:
         if self.outer is not None and not self.outer.anchored:  # first step: every rank's anchor, the mean

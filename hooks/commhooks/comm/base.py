@@ -4,11 +4,24 @@ Algorithms in commhooks never call ``torch.distributed`` or Horovod directly:
 they call a :class:`Comm`.  That keeps them backend-agnostic (the same code
 runs under DDP, Horovod and DeepSpeed) and lets one place count the traffic.
 
-A backend implements three primitives on a single contiguous tensor
-(``_allreduce_flat``, ``_broadcast_flat``, ``_make_group``); this base class
-coalesces lists of tensors into one flat buffer (one call on the wire, as
-DDP's buckets do), applies the mean, and records every call in the
-:class:`Meter`.
+A backend implements a few primitives on a single contiguous tensor
+(``_allreduce_flat``, ``_broadcast_flat``, ``_allgather_flat``,
+``_make_group``); this base class coalesces lists of tensors into one flat
+buffer (one call on the wire, as DDP's buckets do), takes the mean the way
+DDP does, and records every call in the :class:`Meter`.
+
+**Device.**  ``Comm.device`` is where the library makes the tensors it hands
+to a collective of its own (handshakes, step proofs, agreements, checksums):
+the device of the tensors the algorithm syncs (the state sets it when it is
+built).  An NCCL-only process group (``init_process_group("nccl")``, as in
+PyTorch's DDP tutorial) refuses CPU tensors, so nothing the library sends may
+be made on the CPU by default; gloo takes either, which is why a CPU test
+suite cannot see such a mistake (``tests/devicecheck.py`` can).
+
+**Means.**  Like DDP's default hook: the backend's own average where it has
+one (NCCL's ``ReduceOp.AVG``, Horovod's ``Average``); otherwise fp16 and bf16
+tensors are divided by the group size *before* the sum, so a sum that would
+overflow does not, and fp32 tensors are summed, then divided.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 REDUCE_OPS = ("mean", "sum", "max")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class CollectiveError(RuntimeError):
@@ -161,10 +175,15 @@ class Comm:
     ``torch.distributed``.  ``group=None`` means the world.
     """
 
-    def __init__(self, rank: int, size: int, timeout_s: Optional[float] = None):
+    names_calls = False  # the backend pairs calls across ranks by name: give allreduce a ``key`` where order may differ
+
+    def __init__(self, rank: int, size: int, timeout_s: Optional[float] = None,
+                 device: Optional[torch.device] = None):
         self.rank = rank
         self.size = size
         self.timeout_s = timeout_s  # None: the backend's own default
+        # where control tensors are made: the synced tensors' device (set by the state); None: the backend's default
+        self.device = torch.device(device) if device is not None else self._default_device()
         self.meter = Meter()
         self.world = Group("world", tuple(range(size)), handle=self._world_handle())
         self._groups: Dict[Tuple[int, ...], Group] = {self.world.ranks: self.world}
@@ -173,8 +192,18 @@ class Comm:
     def _world_handle(self) -> Any:
         return None
 
-    def _allreduce_flat(self, flat: torch.Tensor, op: str, group: Group, async_op: bool):
-        """Reduce ``flat`` in place; return ``(wait_fn, future_or_None)``."""
+    def _default_device(self) -> torch.device:
+        """Where control tensors go before a state names its tensors' device."""
+        return torch.device("cpu")
+
+    def _native_mean(self, flat: torch.Tensor, group: Group) -> bool:
+        """Whether the backend averages ``flat`` itself (``_allreduce_flat`` is then called with ``"mean"``)."""
+        return False
+
+    def _allreduce_flat(self, flat: torch.Tensor, op: str, group: Group, async_op: bool,
+                        key: Optional[str] = None):
+        """Reduce ``flat`` in place (``op``: ``"sum"``, ``"max"``, or ``"mean"`` where :meth:`_native_mean`);
+        return ``(wait_fn, future_or_None)``."""
         raise NotImplementedError
 
     def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
@@ -205,8 +234,12 @@ class Comm:
         self._groups[ranks] = group
         return group
 
+    def _timeout_words(self, group: Group) -> str:
+        """How this collective is bounded in time, for error messages ("" if unbounded)."""
+        return f" (timeout {self.timeout_s:g} s)" if self.timeout_s else ""
+
     def _describe(self, kind: str, group: Group, tag: str, nbytes: int) -> str:
-        limit = f" (timeout {self.timeout_s:g} s)" if self.timeout_s else ""
+        limit = self._timeout_words(group)
         return (f"commhooks {kind} '{tag or 'untagged'}' of {nbytes} bytes on group {group.name} "
                 f"(ranks {list(group.ranks)}), rank {self.rank}{limit}")
 
@@ -218,12 +251,16 @@ class Comm:
         async_op: bool = False,
         tag: str = "",
         metered: bool = True,
+        key: Optional[str] = None,
     ):
         """Reduce a list of tensors in one flat call over ``group``.
 
         Returns the list (reduced in place), or a :class:`Work` if
         ``async_op``.  ``op`` is ``"mean"``, ``"sum"`` or ``"max"``; all
-        tensors must share dtype and device.  ``metered=False`` keeps a
+        tensors must share dtype and device.  ``key``: a name for what is
+        reduced that is the same on every rank whatever the order of the calls
+        (e.g. the parameter names of a gradient); backends that pair calls by
+        name (Horovod) use it.  ``metered=False`` keeps a
         verification call (a few bytes) out of the meter, which counts the
         algorithm's traffic.  A failure or timeout raises
         :class:`CollectiveError` naming the collective, its tag and group.
@@ -239,8 +276,15 @@ class Comm:
         what = lambda: self._describe("allreduce", group, tag, nbytes)  # noqa: E731
         if metered:
             self.meter.record(group.name, "allreduce", nbytes, tag)
+        wire_op, divide_after = op, False
+        if op == "mean" and not self._native_mean(flat, group):
+            wire_op = "sum"
+            if flat.dtype in HALF_DTYPES:  # divide first, as DDP's default hook does: the sum cannot overflow
+                flat.div_(group.size)
+            else:
+                divide_after = True
         try:
-            wait, fut = self._allreduce_flat(flat, "sum" if op == "mean" else op, group, async_op)
+            wait, fut = self._allreduce_flat(flat, wire_op, group, async_op, key)
         except Exception as exc:
             raise CollectiveError(f"{what()} failed: {exc}") from exc
 
@@ -250,7 +294,7 @@ class Comm:
                     done.value()  # re-raises the backend's error
                 except Exception as exc:
                     raise CollectiveError(f"{what()} failed: {exc}") from exc
-            if op == "mean":
+            if divide_after:
                 flat.div_(group.size)
             unflatten_into(flat, tensors)
             return tensors
@@ -322,5 +366,5 @@ class Comm:
         """Tell a ``torch.distributed`` Join context that this rank still trains (no-op for other backends)."""
 
     def barrier(self, group: Optional[Group] = None) -> None:
-        """Wait for every rank of ``group`` (an unmetered one-element allreduce, with the timeout)."""
-        self.allreduce([torch.zeros(1)], op="sum", group=group, tag="barrier", metered=False)
+        """Wait for every rank of ``group`` (an unmetered one-element allreduce on :attr:`device`, with the timeout)."""
+        self.allreduce([torch.zeros(1, device=self.device)], op="sum", group=group, tag="barrier", metered=False)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -22,12 +22,22 @@ class HorovodComm(Comm):
 
     Names: Horovod pairs a call across ranks by its name, and caches the
     negotiation of a (name, shape, dtype, op) it has seen, so a name that
-    repeats every step skips the coordinator round-trip.  A call is named
-    ``commhooks.<group>.<kind>.<op>.<dtype>.<numel>.<i>``, where ``i`` is the
+    repeats every step skips the coordinator round-trip.  A call that says
+    what it reduces (``key``: the parameter names of a gradient) is named
+    ``commhooks.<group>.<kind>.<key>``: gradient hooks fire in whatever order
+    autograd runs them, which can differ between ranks, and two same-shaped
+    parameters must never be averaged with each other (Horovod's own
+    optimizer names its reductions by parameter for the same reason).  Other
+    calls (syncs, checks: issued in program order, the same on every rank) are
+    named ``commhooks.<group>.<kind>.<dtype>.<numel>.<i>``, where ``i`` is the
     lowest index not in flight for that key: every step's calls get the same
-    names (the cache hits), calls of one shape in flight together differ, and
-    ranks that issue the same calls in the same order (as they must) agree.
+    names (the cache hits) and calls of one shape in flight together differ.
+
+    Means: ``hvd.Average`` (Horovod sums, then scales); fp16 is scaled by
+    ``1/size`` before the sum (``prescale_factor``), so it cannot overflow.
     """
+
+    names_calls = True
 
     def __init__(self):
         import horovod.torch as hvd
@@ -41,19 +51,26 @@ class HorovodComm(Comm):
     def _world_handle(self) -> Any:
         return self.hvd.global_process_set
 
-    def _claim(self, group: Group, kind: str, flat: torch.Tensor) -> Tuple[tuple, int, str]:
-        key = (group.name, kind, str(flat.dtype).replace("torch.", ""), flat.numel())
+    def _claim(self, group: Group, kind: str, flat: torch.Tensor, what: Optional[str] = None) -> Tuple[tuple, int, str]:
+        key = (group.name, kind, what) if what is not None else (
+            group.name, kind, str(flat.dtype).replace("torch.", ""), flat.numel())
         taken = self._inflight[key]
         i = next(j for j in range(len(taken) + 1) if j not in taken)
         taken.add(i)
-        return key, i, "commhooks." + ".".join(map(str, key)) + f".{i}"
+        return key, i, "commhooks." + ".".join(map(str, key)) + (f".{i}" if what is None or i else "")
 
-    def _allreduce_flat(self, flat: torch.Tensor, op: str, group: Group, async_op: bool):
+    def _native_mean(self, flat: torch.Tensor, group: Group) -> bool:
+        return True  # hvd.Average, or a prescaled sum for fp16
+
+    def _allreduce_flat(self, flat: torch.Tensor, op: str, group: Group, async_op: bool,
+                        key: Optional[str] = None):
         hvd = self.hvd
-        key, i, name = self._claim(group, f"allreduce-{op}", flat)
+        key, i, name = self._claim(group, f"allreduce-{op}", flat, key)
+        kwargs = {"op": {"sum": hvd.Sum, "max": hvd.Max, "mean": hvd.Average}[op]}
+        if op == "mean" and flat.dtype == torch.float16:  # divide before the sum, as DDP's default hook does
+            kwargs = {"op": hvd.Sum, "prescale_factor": 1.0 / group.size}
         try:
-            handle = hvd.allreduce_async_(flat, name=name, op=hvd.Sum if op == "sum" else hvd.Max,
-                                          process_set=group.handle)
+            handle = hvd.allreduce_async_(flat, name=name, process_set=group.handle, **kwargs)
         except Exception:
             self._inflight[key].discard(i)
             raise

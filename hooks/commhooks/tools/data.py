@@ -28,15 +28,16 @@ def load_mnist1d(cache_dir: Path, seed: int = 42) -> Dict[str, torch.Tensor]:
         args = get_dataset_args()
         args.seed = seed
         made = make_dataset(args)
-        raw = {k: torch.as_tensor(made[k]) for k in ("x", "y", "x_test", "y_test")}
+        raw = {k: torch.as_tensor(made[k], device="cpu") for k in ("x", "y", "x_test", "y_test")}
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".tmp{os.getpid()}")
         torch.save(raw, tmp)
         os.replace(tmp, cache)  # atomic: ranks may build it at the same time
     out = {}
     for split in ("", "_test"):
-        out["x" + split] = torch.as_tensor(raw["x" + split], dtype=torch.float32).unsqueeze(1)
-        out["y" + split] = torch.as_tensor(raw["y" + split], dtype=torch.long)
+        # the data set stays on the CPU: the trainer moves each batch to the model's device
+        out["x" + split] = torch.as_tensor(raw["x" + split], dtype=torch.float32, device="cpu").unsqueeze(1)
+        out["y" + split] = torch.as_tensor(raw["y" + split], dtype=torch.long, device="cpu")
     return out
 
 
@@ -56,6 +57,6 @@ def rank_batches(
     while True:
         epoch, b = divmod(step, per_epoch)
         g = torch.Generator().manual_seed(seed * 100003 + epoch)
-        perm = torch.randperm(n, generator=g)[rank::world][:per_rank]
+        perm = torch.randperm(n, generator=g, device="cpu")[rank::world][:per_rank]
         yield step, perm[b * batch_size : (b + 1) * batch_size]
         step += 1

@@ -51,7 +51,7 @@ def text_batches(data: torch.Tensor, batch_size: int, context: int, rank: int, w
     step = start_step
     while True:
         g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1009 + rank)
-        starts = torch.randint(0, len(data) - context - 1, (batch_size,), generator=g)
+        starts = torch.randint(0, len(data) - context - 1, (batch_size,), generator=g, device="cpu")
         windows = torch.stack([data[s: s + context + 1] for s in starts.tolist()]).long()
         yield step, (windows[:, :-1], windows[:, 1:])
         step += 1

@@ -47,6 +47,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "default: the type of --config, else none")
     p.add_argument("--config", help="hook settings: JSON file (configs/...) with the fields of the hook's config")
     p.add_argument("--backend", choices=("ddp", "deepspeed", "horovod"), default="ddp", help="engine the hook plugs into")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the model trains: cuda = cuda:LOCAL_RANK (NCCL; DDP with device_ids), cpu = gloo; "
+                        "auto = cuda when a GPU is present")
     p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
                    help="DeepSpeed JSON; its \"comm_hook\" section, if any, chooses the hook (--backend deepspeed)")
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
@@ -93,6 +96,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--hook {args.hook} is PyTorch's own DDP hook: use --backend ddp")
     if args.clip < 0:
         p.error(f"--clip must be >= 0 (0 = off), got {args.clip}")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False); use --device cpu")
     if args.clip and args.backend == "horovod":
         p.error("--clip with --backend horovod: Horovod averages gradients inside optimizer.step(), after any "
                 "clipping here; use --clip 0 (or --backend ddp / deepspeed)")
@@ -134,6 +141,9 @@ def wrap_ddp(model, local_buffers: bool, one_bucket: bool = False) -> DDP:
     if local_buffers:
         sig = inspect.signature(DDP.__init__).parameters
         kwargs["forward_sync_buffers" if "forward_sync_buffers" in sig else "broadcast_buffers"] = False
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        kwargs["device_ids"] = [device]  # one GPU per process, as in PyTorch's DDP tutorial
     return DDP(model, **kwargs)
 
 
@@ -228,30 +238,34 @@ def build_trainer(args, model, conf, workload):
         forward, backward, step = engine, engine.backward, engine.step
         micro, accumulation = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
     dtype = next(model.parameters()).dtype  # DeepSpeed bf16/fp16: the engine converted the model
+    device = next(model.parameters()).device  # DeepSpeed moved it to its own device
     scheduler = cosine_with_warmup(optimizer, args.lr_warmup, args.steps)
     if isinstance(state, AlgorithmState):
         scheduler = state.wrap_scheduler(scheduler)
 
-    bf16 = args.autocast == "bf16" or (args.autocast == "auto" and workload.bf16_on_cuda and torch.cuda.is_available())
+    bf16 = args.autocast == "bf16" or (args.autocast == "auto" and workload.bf16_on_cuda and device.type == "cuda")
 
     def train_step(batches):
+        """One optimizer step; returns (mean loss as a tensor on the device: read it only when needed, a host
+        read stalls a GPU; the lr)."""
         losses = []
         if args.backend != "deepspeed":
             optimizer.zero_grad(set_to_none=True)
         for x, y in batches:
-            with torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16, enabled=bf16):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):  # the model's device type
                 out = forward(workload.inputs(x, dtype))
             loss = workload.loss(out, y)
             backward(loss)
             if args.backend == "deepspeed":
                 step()  # DeepSpeed counts micro-steps; the boundary one updates (and clips: gradient_clipping)
-            losses.append(loss.item())
+            losses.append(loss.detach())
         if args.backend != "deepspeed":
             if args.clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
             step()
         scheduler.step()
-        return sum(losses) / len(losses), scheduler.get_last_lr()[0]
+        return torch.stack(losses).mean(), scheduler.get_last_lr()[0]
 
     return train_step, state, micro, accumulation, optimizer, scheduler
 
@@ -262,8 +276,10 @@ def start(args):
         from .. import horovod as hvd_adapter
 
         hvd = hvd_adapter.init(resolve_hook(args))  # static process sets for the AB groups
+        if args.device == "cuda":
+            torch.cuda.set_device(hvd.local_rank())
         return hvd.rank(), hvd.size(), (lambda t: hvd.allreduce(t, op=hvd.Average, name="metric")), hvd.shutdown
-    info = init_distributed()
+    info = init_distributed(backend=None if args.device == "cuda" else "gloo")
     world = info["world_size"]
 
     def mean_over_ranks(t):
@@ -288,6 +304,8 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
     torch.manual_seed(args.seed)
     workload = build_workload(args)
     model = workload.model()
+    if args.device == "cuda" and args.backend != "deepspeed":  # DeepSpeed places the model itself
+        model = model.to(torch.device("cuda", torch.cuda.current_device()))
     train_step, state, micro, accumulation, optimizer, scheduler = build_trainer(args, model, conf, workload)
     first_step = 0
     if args.checkpoint_dir:
@@ -311,18 +329,21 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         for step in range(first_step, args.steps):
             loss, lr = train_step([next(batches) for _ in range(accumulation)])
             losses.append(loss)
+            del losses[:-50]  # the summary's train loss is the mean of the last 50
             if args.checkpoint_dir and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
                 save_checkpoint(args.checkpoint_dir, model, optimizer, state, scheduler, step=step + 1)
             if progress is not None:
                 progress.update(1)
                 if step % 50 == 0:
-                    progress.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.4f}")
+                    progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.4f}")
     wall = time.perf_counter() - start
     wire_after = iface_bytes(args.wire_iface)
     if progress is not None:
         progress.close()
 
-    tail = mean_over_ranks(torch.tensor([sum(losses[-50:]) / max(1, len(losses[-50:]))]))  # metric only, not hook traffic
+    device = next(model.parameters()).device
+    tail = torch.stack(losses).mean().reshape(1).float() if losses else torch.zeros(1, device=device)
+    tail = mean_over_ranks(tail.to(device))  # metric only, not hook traffic
     summary = {
         "label": args.label or args.hook,
         "hook": args.hook,

@@ -54,8 +54,9 @@ class MNIST1D:
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> Dict[str, float]:
         model.eval()
-        dtype = next(model.parameters()).dtype
-        acc = (model(self.data["x_test"].to(dtype)).float().argmax(1) == self.data["y_test"]).float().mean().item()
+        dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+        x, y = self.data["x_test"].to(device=device, dtype=dtype), self.data["y_test"].to(device)
+        acc = (model(x).float().argmax(1) == y).float().mean().item()
         model.train()
         return {"test_acc": round(acc, 4)}
 
@@ -101,7 +102,8 @@ class Text:
     @torch.no_grad()
     def evaluate(self, model: torch.nn.Module) -> Dict[str, float]:
         model.eval()
-        x, y = self.val
+        device = next(model.parameters()).device
+        x, y = (t.to(device) for t in self.val)
         loss = float(self.loss(model(x), y))
         model.train()
         return {"val_loss": round(loss, 4), "val_ppl": round(math.exp(loss), 3), "corpus_sha256": self.corpus["sha256"]}

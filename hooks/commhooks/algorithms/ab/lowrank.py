@@ -30,11 +30,16 @@ def tall_view(w: torch.Tensor) -> Tuple[torch.Tensor, bool]:
     return mat, False
 
 
+def rank_of(s: torch.Tensor, cutoff: float) -> torch.Tensor:
+    """:func:`choose_rank` as a 0-d float64 tensor on ``s``'s device (no host read)."""
+    if s.numel() == 0:
+        return torch.ones((), dtype=torch.float64, device=s.device)
+    return torch.clamp((s > cutoff * s[0]).sum(), min=1).to(torch.float64)
+
+
 def choose_rank(s: torch.Tensor, cutoff: float) -> int:
     """1 + the last index with ``s_i > cutoff * s_0`` (at least 1); ``s`` sorted descending."""
-    if s.numel() == 0 or s[0] <= 0:
-        return 1
-    return max(1, int((s > cutoff * s[0]).sum().item()))
+    return int(rank_of(s, cutoff).item())
 
 
 def compression_ratio(m: int, n: int, k: int) -> float:

@@ -172,7 +172,8 @@ class ABState(AlgorithmState):
         back the W-space gradient; dense tensors are averaged in the group.
         """
         if self.phase != AB:
-            return self.comm.allreduce([flat] if flat is not None else grads, op="mean", async_op=True, tag="full-grad")
+            return self.comm.allreduce([flat] if flat is not None else grads, op="mean", async_op=True, tag="full-grad",
+                                       key=self.grad_key(params))
         projected = []  # (W-space gradient view, basis, payload)
         payloads = []
         for g, p in zip(grads, params):
@@ -192,7 +193,8 @@ class ABState(AlgorithmState):
 
         if self.config.local_group_steps:  # QSR inside the group: project locally, send nothing
             return Work(to_w_space)
-        work = self.comm.allreduce(payloads, op="mean", group=self.group, async_op=True, tag="ab-grad")
+        work = self.comm.allreduce(payloads, op="mean", group=self.group, async_op=True, tag="ab-grad",
+                                   key=self.grad_key(params))
         return work.then(to_w_space)
 
     # ----------------------------------------------------------------- phases

@@ -14,7 +14,7 @@ import torch
 from ...comm import Comm
 from ..consistency import nonfinite_anywhere, spread_over_ranks
 from .config import ABConfig
-from .lowrank import Basis, basis_from_svd, choose_rank, compression_ratio, svd, tall_view
+from .lowrank import Basis, basis_from_svd, compression_ratio, rank_of, svd, tall_view
 
 
 @torch.no_grad()
@@ -31,7 +31,8 @@ def enter(comm: Comm, candidates: Sequence[Tuple[str, torch.Tensor]], config: AB
     nonfinite_anywhere(comm, candidates, f"AB re-basis {when}: the SVD needs finite weights")
     mats = [tall_view(p.data)[0] for _, p in candidates]
     svds = [svd(m) for m in mats]
-    ks = torch.tensor([choose_rank(s, config.rank_cutoff) for _, s, _ in svds], dtype=torch.float64)
+    ks = torch.stack([rank_of(s, config.rank_cutoff).to(comm.device) for _, s, _ in svds]) if svds else \
+        torch.zeros(0, dtype=torch.float64, device=comm.device)
     comm.allreduce([ks], op="max", tag="basis")  # rank agreed as the max over all ranks
     bases: Dict[str, Basis] = {}
     ranks: Dict[str, Optional[int]] = {}
@@ -60,9 +61,10 @@ def agree(comm: Comm, bases: Dict[str, Basis]) -> None:
     if not bases or comm.size == 1:
         return
     names = sorted(bases)
-    sums = torch.tensor([float(t.double().sum()) for n in names for t in (bases[n].a, bases[n].b)], dtype=torch.float64)
+    sums = torch.stack([t.double().sum().to(comm.device) for n in names for t in (bases[n].a, bases[n].b)])
     hi, lo = spread_over_ranks(comm, sums, tag="basis", metered=True)
-    differ = [n for i, n in enumerate(names) if bool((hi[2 * i: 2 * i + 2] != lo[2 * i: 2 * i + 2]).any())]
+    apart = (hi != lo).reshape(-1, 2).any(dim=1).tolist()  # one host read
+    differ = [n for n, bad in zip(names, apart) if bad]
     if differ:
         comm.broadcast([t for n in differ for t in (bases[n].a, bases[n].b, bases[n].s)], src=0, tag="basis")
 
