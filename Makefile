@@ -6,7 +6,7 @@ NPROC  ?= 2
 TRAIN  := $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m commhooks.tools.train
 DEMO   := results/demo
 
-.PHONY: install demo test bench bench-gpt bench-gpt-hier bench-papers clean
+.PHONY: install demo test gpu-check gpu-wheels bench bench-gpt bench-gpt-hier bench-papers clean
 
 install:
 	@bash .ci/install.sh
@@ -20,6 +20,17 @@ demo: install
 
 test: install
 	$(VENV)/bin/python -m pytest -q
+
+# on a CUDA host: what only a GPU can show (tests/gpu; about 5 min on one H200); skipped, saying so, without CUDA
+gpu-check:
+	@bash .ci/gpu-check.sh
+
+# wheels a GPU host without a package index lacks (its own python 3.12 and torch): carry .cache/gpu-wheels there
+gpu-wheels: install
+	$(VENV)/bin/python -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+		--platform manylinux_2_17_x86_64 -d .cache/gpu-wheels pydantic python-hostlist pytest-timeout
+	$(VENV)/bin/python -m pip wheel -q --no-deps -w .cache/gpu-wheels deepspeed==$$($(VENV)/bin/python -c \
+		"import deepspeed; print(deepspeed.__version__)") hjson ninja py-cpuinfo msgpack nvidia-ml-py
 
 bench: install
 	$(VENV)/bin/commhooks bench --out results/bench

@@ -27,7 +27,7 @@ from commhooks.launch import free_port
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def _entry(fn, rank, world, port, outdir, kwargs, env):
+def _entry(fn, rank, world, port, outdir, kwargs, env, backend):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -44,7 +44,7 @@ def _entry(fn, rank, world, port, outdir, kwargs, env):
     out = Path(outdir) / f"rank{rank}.pt"
     try:
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         )
         result = fn(rank, world, **kwargs)
         torch.save({"ok": True, "result": result}, out)
@@ -70,13 +70,14 @@ class RankError(AssertionError):
         super().__init__(f"{len(errors)} rank(s) failed:\n{text}")
 
 
-def run_ranks(fn, world_size: int = 2, timeout: float = 120.0, env=None, **kwargs):
-    """Run ``fn`` on ``world_size`` ranks; return the list of their return values."""
+def run_ranks(fn, world_size: int = 2, timeout: float = 120.0, env=None, backend: str = "gloo", **kwargs):
+    """Run ``fn`` on ``world_size`` ranks; return the list of their return values.  ``backend``: the process
+    group's (``"cuda:gloo"``: several ranks on one GPU, refusing CPU tensors as NCCL does)."""
     ctx = mp.get_context("spawn")
     port = free_port("127.0.0.1")
     with tempfile.TemporaryDirectory() as outdir:
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, port, outdir, kwargs, env or {}), daemon=True)
+            ctx.Process(target=_entry, args=(fn, r, world_size, port, outdir, kwargs, env or {}, backend), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

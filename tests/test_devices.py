@@ -275,3 +275,40 @@ def test_fp16_mean_divides_before_the_sum_and_does_not_overflow():
     for big, pair in run_ranks(_fp16_mean, 2):
         assert all(math.isfinite(v) and v == 44000.0 for v in big), big
         assert pair == [[60000.0] * 3, [-60000.0] * 2], pair
+
+
+# --------------------------------------------------------------------------
+# memory the algorithm keeps, stated by state.report()
+# --------------------------------------------------------------------------
+
+
+def _memory(rank, world, conf):
+    net = DDP(_model(), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    state = commhooks.ddp.register(net, opt, conf)
+    for step in range(5):
+        x, y = _batch(step, rank)
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+    params = [p for p in net.module.parameters()]
+    return state.report(), sum(p.numel() for p in params), len(params), state.syncs
+
+
+@pytest.mark.parametrize("extra, expect", [
+    ({}, {}),  # plain averaging keeps nothing
+    ({"outer_lr": 0.7}, {"anchor": 1, "sync_buffers": 1}),  # blocking: the send buffer (+ the proof)
+    ({"outer_lr": 0.7, "outer_momentum": 0.9, "payload": "int8", "error_feedback": True},
+     {"anchor": 1, "outer_momentum": 1, "residual": 1, "sync_buffers": 1}),
+    ({"outer_lr": 0.7, "overlap_steps": 1}, {"anchor": 1, "sync_buffers": 3}),  # + the weights sent from, now
+])
+def test_report_states_the_memory_each_feature_keeps(extra, expect):
+    (report, n, tensors, syncs), = run_ranks(_memory, 1, conf={"type": "qsr", "h_base": 2, **extra})
+    assert syncs >= 2
+    memory = report["memory_bytes"]
+    proof = 4 * commhooks.algorithms.alignment.PROOF_ELEMENTS if extra.get("payload", "fp32") == "fp32" else 0
+    want = {k: 4 * n * v + (proof if k == "sync_buffers" else 0) for k, v in expect.items()}
+    want["nonfinite_guard"] = 8 * tensors
+    assert {k: v for k, v in memory.items() if k != "total"} == want, (memory, want)
+    assert memory["total"] == sum(want.values())
+    assert report["memory_vs_weights"] == round(sum(want.values()) / (4 * n), 3)

@@ -57,6 +57,13 @@ def check(results):
         assert "op=" in r["op_sum"] and "use hvd.Average" in r["op_sum"], r["op_sum"]
         calls, distinct = r["names"]  # names repeat step after step, so Horovod's response cache can hit
         assert calls > 200 and distinct < calls / 8, r["names"]
+        # two same-shaped layers whose hooks fire in opposite orders on even and odd ranks: paired by name
+        started, err = r["opposite_order"]
+        assert sorted(started) == ["a.bias", "a.weight", "b.bias", "b.weight"], started
+        assert started[0].startswith("b" if r["rank"] % 2 == 0 else "a"), started  # the orders really differ
+        assert err < 1e-5, err
+        size = r["world"]
+        assert r["fp16_mean"] == [40960.0 + 1024.0 * (size - 1) / 2] * 5, r["fp16_mean"]  # no overflow to inf
 
 
 def check_toy(toy, engine, steps):

@@ -176,6 +176,7 @@ class _HookedOptimizer:
         ]
         self.backward_passes_per_step = backward_passes_per_step
         self._params = [p for _, p in named if p.requires_grad]
+        self._param_names = {p: n for n, p in named if p.requires_grad}
         self._delay = {p: backward_passes_per_step for p in self._params}
         self._works = {}
         self._synchronized = False
@@ -195,7 +196,11 @@ class _HookedOptimizer:
     def _start(self, p):
         if p.grad is None:  # an unused parameter: the other ranks may have a gradient for it
             p.grad = torch.zeros_like(p)
-        self._works[p] = self.comm_hook_state.reduce_gradients([p.grad], [p])
+        state = self.comm_hook_state
+        # gradient hooks fire in autograd's order, which may differ between ranks: Horovod pairs calls by name,
+        # so each parameter's reduction is named after the parameter (as in hvd.DistributedOptimizer)
+        with state.comm.keyed(self._param_names[p]):
+            self._works[p] = state.reduce_gradients([p.grad], [p])
 
     def _grad_ready(self, p):
         if p in self._works:

@@ -94,11 +94,56 @@ def hvd_run(conf, passes):
     return {n: t.detach().clone() for n, t in m.named_parameters()}, state.meter.bytes(), state.step
 
 
-result = {"world": hvd.size(), "runs": {}}
+result = {"world": hvd.size(), "rank": rank, "runs": {}}
 for name, conf in VARIANTS.items():
     result["runs"][name] = {"ddp": ddp_run(conf, 1), "hvd": hvd_run(conf, 1)}
 result["toy"] = {"ddp": ddp_run(TOY, 1), "hvd": hvd_run(TOY, 1), "plain": plain_ddp_train(args.steps, batch)}
 result["passes2"] = {"ddp": ddp_run(VARIANTS["ab-groups"], 2), "hvd": hvd_run(VARIANTS["ab-groups"], 2)}
+
+
+
+def opposite_hook_order():
+    """Two same-shaped layers whose gradient hooks fire in opposite orders on even and odd ranks (each rank
+    builds its graph in another order): each layer's gradient must be averaged with the same layer's, never
+    with its twin.  Returns (the order the reductions started in, max |hooked update - true mean update|)."""
+    torch.manual_seed(0)
+    twins = torch.nn.ModuleDict({"a": torch.nn.Linear(6, 6), "b": torch.nn.Linear(6, 6)})
+    hvd.broadcast_parameters(twins.state_dict(), root_rank=0)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    order = ("a", "b") if rank % 2 == 0 else ("b", "a")
+
+    def loss():
+        outs = {k: twins[k](x) for k in order}  # built in this rank's order: backward runs the other way
+        return (outs["a"].pow(2).sum() + 3.0 * outs["b"].sum()) * (rank + 1)
+
+    loss().backward()
+    true_mean = {n: hvd.allreduce(p.grad.clone(), op=hvd.Average, name=f"reference.{n}") for n, p in
+                 twins.named_parameters()}
+    before = {n: p.detach().clone() for n, p in twins.named_parameters()}
+    twins.zero_grad()
+    opt = commhooks.horovod.DistributedOptimizer(
+        torch.optim.SGD(twins.parameters(), lr=1.0), named_parameters=twins.named_parameters(),
+        hook={"type": "qsr", "group_size": hvd.size(), "h_base": 100})  # one replica: gradients averaged each step
+    started = []
+    for n, p in twins.named_parameters():  # registered after the optimizer's own: sees the order they fire in
+        p.register_post_accumulate_grad_hook(lambda p, n=n: started.append(n))
+    loss().backward()
+    opt.step()
+    err = max(float((before[n] - p.detach() - true_mean[n]).abs().max()) for n, p in twins.named_parameters())
+    return started, err
+
+
+def fp16_mean():
+    """A mean of fp16 tensors whose sum would overflow fp16 (65504): scaled before the sum."""
+    from commhooks.comm.horovod_comm import HorovodComm
+
+    t = torch.full((5,), 40960.0 + 1024.0 * rank, dtype=torch.float16)
+    HorovodComm().allreduce([t], op="mean", tag="fp16-check")
+    return t.float().tolist()
+
+
+result["opposite_order"] = opposite_hook_order()
+result["fp16_mean"] = fp16_mean()
 
 bad = {"type": "ab", "rank_cutoff": 1.5}
 errors = {}

@@ -370,13 +370,6 @@ class AlgorithmState:
         """Start reducing one bucket of gradients in place (only states with ``reduces_gradients``)."""
         raise NotImplementedError(f"{type(self).__name__} does not reduce gradients (reduces_gradients=False)")
 
-    def grad_key(self, params: Sequence[torch.Tensor]) -> Optional[str]:
-        """The names of ``params``, for a backend that pairs calls by name (Horovod: gradient hooks fire in an
-        order that may differ between ranks); None for the others (nothing to compute)."""
-        if not self.comm.names_calls:
-            return None
-        return ",".join(self._name_of.get(id(p), "?") for p in params)
-
     def sync(self) -> None:
         """Average the model over the world now (subclasses define what that means)."""
         raise NotImplementedError
@@ -598,9 +591,27 @@ class AlgorithmState:
         syncs, bytes sent (total and per tag), what plain allreduce would have sent, plus
         :meth:`algorithm_report`."""
         sent, dense = self.meter.bytes(), self.step * self.allreduce_bytes_per_step
+        memory = self.memory()
+        weights = sum(p.numel() * p.element_size() for _, p in self.named_params)
         return {"algorithm": self.name, "step": self.step, "syncs": self.syncs, "skipped_steps": self.skipped_steps,
                 "bytes": sent, "bytes_by_tag": self.meter.by_tag(), "allreduce_bytes": dense,
-                "bytes_vs_allreduce": round(sent / dense, 4) if dense else None, **self.algorithm_report()}
+                "bytes_vs_allreduce": round(sent / dense, 4) if dense else None,
+                "memory_bytes": memory, "memory_vs_weights": round(memory["total"] / weights, 3) if weights else None,
+                **self.algorithm_report()}
+
+    def memory(self) -> Dict[str, int]:
+        """Bytes of device memory the algorithm keeps beyond the model and its optimizer, by kind (anchor,
+        outer momentum, residual, sync buffers, syncs in flight, AB bases ...), and their ``total``.  Users
+        size their runs by it: each fp32 copy of the synced tensors costs 4 bytes per element."""
+        kinds = dict(self.algorithm_memory())
+        if self._guard.first is not None:
+            kinds["nonfinite_guard"] = self._guard.first.numel() * 8
+        kinds["total"] = sum(kinds.values())
+        return kinds
+
+    def algorithm_memory(self) -> Dict[str, int]:
+        """Subclass hook: the bytes the algorithm keeps, by kind."""
+        return {}
 
     def algorithm_report(self) -> dict:
         """Subclass hook: the algorithm's own figures for :meth:`report`."""

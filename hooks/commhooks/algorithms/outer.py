@@ -29,11 +29,19 @@ into the next sync.
 The anchor is taken at the first step (after any ``broadcast_parameters``)
 as the mean over the group, so ranks that started from different weights
 still share one anchor (one parameter-sized payload, tag ``anchor``).
+
+Memory (fp32, each the size of the tensors synced; :meth:`OuterSync.memory`):
+the anchor; the outer momentum (``outer_momentum > 0``); the error-feedback
+residual (``error_feedback``); the weights a sync was sent from, kept until it
+lands (the progress merge needs them); the send buffer (the pseudo-gradient,
+with the step proof in front for fp32); the averaged result until it lands.
+The buffers are allocated once and reused at every sync.  For a bf16 model
+each fp32 copy costs twice the weights' own bytes.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -45,16 +53,45 @@ from . import payload
 class OuterSync:
     """Anchor, outer momentum and error-feedback residual of the tensors a sync covers (flat fp32)."""
 
-    def __init__(self, lr: float, momentum: float, nesterov: bool, codec: str, block: int, error_feedback: bool):
+    def __init__(self, lr: float, momentum: float, nesterov: bool, codec: str, block: int, error_feedback: bool,
+                 keep_sent_from: bool = True):
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
         self.codec, self.block, self.error_feedback = codec, block, error_feedback
+        self.keep_sent_from = keep_sent_from  # overlapped syncs merge the progress made since: keep the weights
         self.anchor: Optional[torch.Tensor] = None
         self.buffer: Optional[torch.Tensor] = None  # outer momentum
         self.residual: Optional[torch.Tensor] = None  # error feedback
+        self._scratch: Dict[str, torch.Tensor] = {}  # sync buffers, reused at every sync
 
     @staticmethod
     def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return flatten([t.detach() for t in tensors]).float().clone()
+
+    def _reused(self, name: str, numel: int, device: torch.device) -> torch.Tensor:
+        """A flat fp32 buffer kept across syncs (made again only if the size or the device changed)."""
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() != numel or buf.device != device:
+            buf = self._scratch[name] = torch.empty(numel, dtype=torch.float32, device=device)
+        return buf
+
+    def _flat_into(self, name: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``tensors`` concatenated in fp32, into the reused buffer ``name``."""
+        numel = sum(t.numel() for t in tensors)
+        buf = self._reused(name, numel, tensors[0].device)
+        offset = 0
+        for t in tensors:
+            buf[offset: offset + t.numel()].copy_(t.detach().reshape(-1))
+            offset += t.numel()
+        return buf
+
+    def memory(self) -> Dict[str, int]:
+        """Bytes this outer state keeps, by kind: anchor, momentum, residual, and the reused sync buffers."""
+        held = {"anchor": self.anchor, "outer_momentum": self.buffer, "residual": self.residual}
+        out = {k: v.numel() * v.element_size() for k, v in held.items() if v is not None}
+        scratch = sum(b.numel() * b.element_size() for b in self._scratch.values())
+        if scratch:
+            out["sync_buffers"] = scratch
+        return out
 
     def take_anchor(self, comm: Comm, tensors: Sequence[torch.Tensor], group=None) -> None:
         """The anchor: the group's mean of ``tensors`` (which every rank then takes as its weights too)."""
@@ -68,18 +105,42 @@ class OuterSync:
              tag: str = "sync") -> Tuple[Work, torch.Tensor]:
         """Start averaging this rank's pseudo-gradient; returns the in-flight :class:`Work` (its ``wait()``
         gives ``(mean pseudo-gradient, mean proof)``) and the weights it was taken from (flat fp32), which
-        :meth:`apply` needs to keep the local progress made while the sync was in flight."""
-        local = self._flat(tensors)
-        self._to(local.device)
-        delta = self.anchor - local
+        :meth:`apply` needs to keep the local progress made while the sync was in flight (None without
+        ``keep_sent_from``: a blocking sync needs no copy of them)."""
+        n, p, device = sum(t.numel() for t in tensors), proof.numel(), tensors[0].device
+        self._to(device)
+        packed = None
+        if self.codec == "fp32":  # the allreduce's buffer: the proof, then the pseudo-gradient
+            packed = self._reused("send", p + n, device)
+            packed[:p].copy_(proof)
+            delta = packed[p:]
+        else:
+            delta = self._reused("delta", n, device)
+        local = None
+        if self.keep_sent_from:  # kept until the sync lands (one in flight per fragment)
+            local = self._flat_into("sent_from", tensors)
+            torch.sub(self.anchor, local, out=delta)
+        else:  # the weights straight into the send buffer, then anchor - weights in place
+            offset = 0
+            for t in tensors:
+                delta[offset: offset + t.numel()].copy_(t.detach().reshape(-1))
+                offset += t.numel()
+            torch.sub(self.anchor, delta, out=delta)
         if self.error_feedback and self.residual is not None:
             delta += self.residual
         sent = None
         if self.codec != "fp32":
             sent = payload.encode(delta, self.codec, self.block)
             if self.error_feedback:
-                self.residual = delta - payload.decode(sent, self.codec, delta.numel(), self.block)
-        return payload.start_mean(comm, delta, self.codec, self.block, proof, group=group, tag=tag, sent=sent), local
+                lost = payload.decode(sent, self.codec, n, self.block)
+                self.residual = torch.sub(delta, lost, out=self._residual_buffer(n, device))
+        return payload.start_mean(comm, delta, self.codec, self.block, proof, group=group, tag=tag, sent=sent,
+                                  packed=packed), local
+
+    def _residual_buffer(self, numel: int, device) -> torch.Tensor:
+        if self.residual is None or self.residual.numel() != numel or self.residual.device != device:
+            return torch.empty(numel, dtype=torch.float32, device=device)
+        return self.residual
 
     @torch.no_grad()
     def apply(self, mean: torch.Tensor, tensors: Sequence[torch.Tensor], sent_from: Optional[torch.Tensor] = None,
@@ -101,7 +162,7 @@ class OuterSync:
         if sent_from is None or alpha == 0.0:
             self._write(tensors, self.anchor)
             return
-        now = self._flat(tensors)
+        now = self._flat_into("now", tensors)
         merged = self.anchor + alpha * (now - sent_from.to(device)) if merge == "progress" else (
             alpha * now + (1.0 - alpha) * self.anchor)
         self._write(tensors, merged)

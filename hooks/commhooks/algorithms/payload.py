@@ -85,18 +85,19 @@ def round_trip(x: torch.Tensor, codec: str, block: int) -> torch.Tensor:
 
 
 def start_mean(comm: Comm, x: torch.Tensor, codec: str, block: int, proof: torch.Tensor, group=None,
-               tag: str = "sync", sent: Optional[torch.Tensor] = None) -> Work:
+               tag: str = "sync", sent: Optional[torch.Tensor] = None, packed: Optional[torch.Tensor] = None) -> Work:
     """Start averaging ``x`` (flat fp32) and ``proof`` (float32) over ``group`` in one collective; the
     returned :class:`Work`'s ``wait()`` gives ``(mean, mean_proof)``.
 
     ``fp32``: one allreduce.  ``bf16`` / ``int8``: one allgather of the packed bytes; every rank decodes
     and sums in rank order (identical results everywhere).  ``sent``: this rank's encoded bytes when the
-    caller already made them (error feedback needs them too).  ``x`` may change after the call: the
-    collective works on its own copy.
+    caller already made them (error feedback needs them too).  ``packed`` (fp32): a buffer the caller
+    reuses across syncs, holding ``proof`` then ``x`` already (``x`` a view of it), reduced in place; without
+    it the collective works on its own copy, and ``x`` may change after the call.
     """
     size = comm.size if group is None else group.size
     if codec == "fp32":
-        both = torch.cat([proof.to(x.device), x])
+        both = packed if packed is not None else torch.cat([proof.to(x.device), x])
         work = comm.allreduce([both], op="mean", group=group, tag=tag, async_op=True)
         return work.then(lambda out: (out[0][proof.numel():], out[0][: proof.numel()]))
     body = sent if sent is not None else encode(x, codec, block)

@@ -212,7 +212,7 @@ class QSRState(AlgorithmState):
         self.outer = StreamedSyncs(
             [t.numel() for t in self._sync_tensors()], c.fragments,
             lambda: OuterSync(c.outer_lr, c.outer_momentum, c.outer_nesterov, c.payload, c.payload_block,
-                              c.error_feedback),
+                              c.error_feedback, keep_sent_from=c.overlap_steps > 0),
             c.overlap_merge, c.overlap_alpha) if c.pseudo_gradient else None
         self.streaming = c.overlap_steps > 0 or c.fragments > 1  # rounds that do not end with identical weights
         self._complete_at: Optional[int] = None  # last step after which every rank held the same weights
@@ -305,7 +305,7 @@ class QSRState(AlgorithmState):
     def reduce_gradients(self, grads, params, flat=None):
         """Replica groups: the mean gradient of the group, every step (the engine's own data parallelism)."""
         return self.comm.allreduce([flat] if flat is not None else grads, op="mean", group=self.replica,
-                                   async_op=True, tag="group-grad", key=self.grad_key(params))
+                                   async_op=True, tag="group-grad")
 
     def before_step(self) -> None:
         if self.outer is not None and not self.outer.anchored:  # first step: every rank's anchor, the mean
@@ -497,6 +497,26 @@ class QSRState(AlgorithmState):
     def status(self) -> str:
         phase = "warm-up" if self.step < self.config.warmup_steps else "rule"
         return f"{phase} | H {self.H if self.H is not None else '-'} ({self.since_sync} since sync)"
+
+    def algorithm_memory(self) -> Dict[str, int]:
+        """Per fragment: anchor, outer momentum, error-feedback residual, the reused sync buffers; and, for a
+        compressed payload in flight, the gathered payloads of the group (size x payload bytes) and the mean."""
+        if self.outer is None:
+            return {}
+        out: Dict[str, int] = {}
+        for o in self.outer.outers:
+            for kind, n in o.memory().items():
+                out[kind] = out.get(kind, 0) + n
+        if self.config.payload != "fp32" and self.outer.in_flight:
+            from .payload import payload_nbytes
+            from .alignment import STEP_PROOF_BYTES
+
+            size = self.comm.size if self.shards is None else self.shards.size
+            numels = [sum(b - a for _, a, b in self.outer.fragments[k]) for k in self.outer.in_flight]
+            out["in_flight"] = sum(size * (STEP_PROOF_BYTES + payload_nbytes(n, self.config.payload,
+                                                                             self.config.payload_block)) + 4 * n
+                                   for n in numels)
+        return out
 
     def algorithm_report(self) -> dict:
         gaps = [b - a for a, b in zip([0] + self.sync_steps[:-1], self.sync_steps)]

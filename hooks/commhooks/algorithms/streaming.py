@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -101,7 +101,7 @@ class InFlight:
 
     sent_at: int
     apply_at: int
-    sent_from: torch.Tensor  # the fragment's weights when it was sent (flat fp32)
+    sent_from: Optional[torch.Tensor]  # the fragment's weights when it was sent (flat fp32; None: blocking)
     work: Work  # wait() gives (mean pseudo-gradient, mean proof), once waited kept
 
 
@@ -146,7 +146,7 @@ class StreamedSyncs:
         blocking sync."""
         flight = self.in_flight.pop(k)
         mean, proofs = flight.work.wait()
-        sent_from = flight.sent_from if step > flight.sent_at else None
+        sent_from = flight.sent_from if step > flight.sent_at else None  # (None too when not kept: blocking)
         self.outers[k].apply(mean, self.tensors(k, tensors), sent_from, self.merge, self.alpha)
         return proofs, flight.sent_at
 
@@ -160,7 +160,8 @@ class StreamedSyncs:
         flights = {}
         for k, f in self.in_flight.items():
             mean, proofs = f.work.wait()
-            flights[k] = {"sent_at": f.sent_at, "apply_at": f.apply_at, "sent_from": f.sent_from.clone(),
+            flights[k] = {"sent_at": f.sent_at, "apply_at": f.apply_at,
+                          "sent_from": None if f.sent_from is None else f.sent_from.clone(),
                           "mean": mean.clone(), "proofs": proofs.clone()}
         return {"outers": [o.state_dict() for o in self.outers], "in_flight": flights}
 
@@ -177,6 +178,7 @@ class StreamedSyncs:
                 raise ValueError(f"the checkpoint's anchor of fragment {k} has {anchor.numel()} elements, this rank "
                                  f"syncs {want} (the parameters, qsr.hierarchical or the group size changed?)")
             outer.load_state_dict(saved)
-        self.in_flight = {int(k): InFlight(int(f["sent_at"]), int(f["apply_at"]), f["sent_from"].clone(),
+        self.in_flight = {int(k): InFlight(int(f["sent_at"]), int(f["apply_at"]),
+                                           None if f["sent_from"] is None else f["sent_from"].clone(),
                                            Work(lambda r=(f["mean"].clone(), f["proofs"].clone()): r))
                           for k, f in state["in_flight"].items()}

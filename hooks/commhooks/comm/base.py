@@ -26,6 +26,7 @@ overflow does not, and fp32 tensors are summed, then divided.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import defaultdict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -175,8 +176,6 @@ class Comm:
     ``torch.distributed``.  ``group=None`` means the world.
     """
 
-    names_calls = False  # the backend pairs calls across ranks by name: give allreduce a ``key`` where order may differ
-
     def __init__(self, rank: int, size: int, timeout_s: Optional[float] = None,
                  device: Optional[torch.device] = None):
         self.rank = rank
@@ -185,6 +184,7 @@ class Comm:
         # where control tensors are made: the synced tensors' device (set by the state); None: the backend's default
         self.device = torch.device(device) if device is not None else self._default_device()
         self.meter = Meter()
+        self._key: Optional[str] = None  # see keyed()
         self.world = Group("world", tuple(range(size)), handle=self._world_handle())
         self._groups: Dict[Tuple[int, ...], Group] = {self.world.ranks: self.world}
 
@@ -218,6 +218,18 @@ class Comm:
         raise NotImplementedError
 
     # ---- public API -----------------------------------------------------------
+    @contextlib.contextmanager
+    def keyed(self, key: str):
+        """Inside, allreduce calls without a ``key`` of their own carry ``key``.  Adapters whose gradient hooks
+        fire in an order that may differ between ranks (Horovod's per-parameter hooks) wrap each parameter's
+        reduction in it, so a backend that pairs calls by name pairs them by parameter, whatever algorithm
+        issues them."""
+        previous, self._key = self._key, key
+        try:
+            yield
+        finally:
+            self._key = previous
+
     def new_group(self, ranks: Iterable[int], name: Optional[str] = None) -> Group:
         """Create (or return the cached) group of ``ranks``.
 
@@ -259,14 +271,16 @@ class Comm:
         ``async_op``.  ``op`` is ``"mean"``, ``"sum"`` or ``"max"``; all
         tensors must share dtype and device.  ``key``: a name for what is
         reduced that is the same on every rank whatever the order of the calls
-        (e.g. the parameter names of a gradient); backends that pair calls by
-        name (Horovod) use it.  ``metered=False`` keeps a
+        (e.g. the parameter names of a gradient; default: the one set by
+        :meth:`keyed`); backends that pair calls by name (Horovod) use it.
+        ``metered=False`` keeps a
         verification call (a few bytes) out of the meter, which counts the
         algorithm's traffic.  A failure or timeout raises
         :class:`CollectiveError` naming the collective, its tag and group.
         """
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+        key = self._key if key is None else key
         group = group or self.world
         tensors = list(tensors)
         if not tensors or group.size == 1:  # nothing to send: the mean of one is itself, no copy

@@ -37,8 +37,6 @@ class HorovodComm(Comm):
     ``1/size`` before the sum (``prescale_factor``), so it cannot overflow.
     """
 
-    names_calls = True
-
     def __init__(self):
         import horovod.torch as hvd
 

@@ -172,8 +172,7 @@ class ABState(AlgorithmState):
         back the W-space gradient; dense tensors are averaged in the group.
         """
         if self.phase != AB:
-            return self.comm.allreduce([flat] if flat is not None else grads, op="mean", async_op=True, tag="full-grad",
-                                       key=self.grad_key(params))
+            return self.comm.allreduce([flat] if flat is not None else grads, op="mean", async_op=True, tag="full-grad")
         projected = []  # (W-space gradient view, basis, payload)
         payloads = []
         for g, p in zip(grads, params):
@@ -193,8 +192,7 @@ class ABState(AlgorithmState):
 
         if self.config.local_group_steps:  # QSR inside the group: project locally, send nothing
             return Work(to_w_space)
-        work = self.comm.allreduce(payloads, op="mean", group=self.group, async_op=True, tag="ab-grad",
-                                   key=self.grad_key(params))
+        work = self.comm.allreduce(payloads, op="mean", group=self.group, async_op=True, tag="ab-grad")
         return work.then(to_w_space)
 
     # ----------------------------------------------------------------- phases
@@ -247,7 +245,8 @@ class ABState(AlgorithmState):
         """The world mean of ``tensors`` as the phase's start minus the mean of the ranks' changes since then,
         the changes sent compressed (``payload``) with the step proof: an outer step of lr 1 without momentum
         from the phase's start (:class:`~commhooks.algorithms.outer.OuterSync`)."""
-        outer = OuterSync(1.0, 0.0, False, self.config.payload, self.config.payload_block, error_feedback=False)
+        outer = OuterSync(1.0, 0.0, False, self.config.payload, self.config.payload_block, error_feedback=False,
+                          keep_sent_from=False)
         outer.anchor = self.entry
         with self.collective_context():
             proofs = outer.sync(self.comm, tensors, self.step_proof(), tag="sync")
@@ -299,6 +298,15 @@ class ABState(AlgorithmState):
             "params_factored": stored,
             "compression": round(total / stored, 2) if stored else 1.0,
         }
+
+    def algorithm_memory(self) -> Dict[str, int]:
+        """The bases of the current AB phase (A, B and the singular values; the residual W - AB of the first
+        phase when it is kept) and the phase's starting point for compressed syncs."""
+        size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
+        out = {"ab_bases": sum(size(b.a) + size(b.b) + size(b.s) for b in self.bases.values()),
+               "ab_residuals": sum(size(b.residual) for b in self.bases.values()),
+               "ab_phase_start": size(self.entry)}
+        return {k: v for k, v in out.items() if v}
 
     def status(self) -> str:
         compressed = sum(1 for k in self.ranks.values() if k is not None)

@@ -1,0 +1,65 @@
+"""DeepSpeed on the device: fp16 at ZeRO 0 with DeepSpeed's own Adam (FusedAdam inside FP16_Optimizer, one flat
+fp32 master per group: the adapter's flat refresh path, which no CPU run reaches) and bf16 at ZeRO 2, each with
+a QSR comm_hook: after the run's last sync the low-precision weights equal their fp32 masters.  CPU mode: bf16
+at ZeRO 2 only (DeepSpeed's CPU accelerator)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.dist import run_ranks
+from tests.gpu.common import TARGET, batch, local_device, record
+
+CONFIGS = {
+    "fp16-zero0-fused-adam": {"fp16": {"enabled": True, "initial_scale_power": 8}, "zero_optimization": {"stage": 0},
+                              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}},
+    "bf16-zero2": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}},
+}
+
+
+def _engine(rank, world, name):
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as exc:  # a GPU host without DeepSpeed: say so, never skip silently
+        raise AssertionError(f"DeepSpeed is not installed for {sys.executable}: carry its wheel "
+                             "(make gpu-wheels) or install it there") from exc
+    import commhooks.deepspeed
+    from tests.gpu.common import model
+
+    device = local_device()
+    ds = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
+          "comm_hook": {"type": "qsr", "h_base": 2, "total_steps": 6}, **CONFIGS[name]}
+    net = model()
+    kwargs = {} if "optimizer" in ds else {"optimizer": torch.optim.SGD(net.parameters(), lr=0.05)}
+    engine, *_ = commhooks.deepspeed.initialize(model=net, model_parameters=net.parameters(), config=ds, **kwargs)
+    state = engine.comm_hook_state
+    dtype = next(engine.module.parameters()).dtype
+    for step in range(6):
+        x, y = batch(step, rank, engine.device)
+        loss = F.cross_entropy(engine(x.to(dtype)).float(), y)
+        engine.backward(loss)
+        engine.step()
+    lows = torch.cat([p.detach().reshape(-1).float() for p in engine.module.parameters()])
+    masters = torch.cat([t.detach().reshape(-1).float() for _, t in state.named_params])
+    if masters.numel() == lows.numel():  # ZeRO 0 (flat or per parameter): the refreshed copy equals its master
+        refreshed = bool(torch.equal(lows, masters.to(dtype).float()))
+    else:  # ZeRO 2 on one rank: the partition is the whole model, padded
+        refreshed = bool(torch.equal(lows, masters[: lows.numel()].to(dtype).float()))
+    return {"optimizer": type(engine.optimizer).__name__, "syncs": state.syncs, "step": state.step,
+            "refreshed": refreshed, "device": str(device)}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_deepspeed_on_the_device(name):
+    if TARGET.device != "cuda" and name.startswith("fp16"):
+        pytest.skip("fp16 with FusedAdam needs CUDA (CPU mode runs bf16 ZeRO 2 only)")
+    env = {"TORCH_EXTENSIONS_DIR": os.path.abspath(".cache/torch_extensions")}
+    r, = run_ranks(_engine, 1, timeout=480, backend="nccl" if TARGET.device == "cuda" else "gloo", env=env, name=name)
+    assert r["step"] == 6 and r["syncs"] == 3, r
+    assert r["refreshed"], r
+    record(f"DeepSpeed {name}", r)
