@@ -61,11 +61,12 @@ class HookConfig(BaseModel):
         "every N-th sync, compare per-tensor checksums across ranks and raise naming the tensors that "
         "differ (0 = never)"))] = 10
     nonfinite: Literal["raise", "skip"] = Field("raise", description=(
-        "a NaN/Inf gradient raises an error naming the parameter, or skips the update (the step still counts, "
-        "so ranks stay in step)"))
+        "a NaN/Inf gradient: raise (checked on the device, no host stall; every rank raises at the next sync, "
+        "naming the step and the parameter) or skip the update (the step still counts, so ranks stay in step; "
+        "one host read per step)"))
     timeout_s: Annotated[float, Field(gt=0.0, description=(
         "seconds any collective of the hook may take before it fails with an error naming the collective "
-        "and the group"))] = 300.0
+        "and the group (on NCCL: the timeout of the groups the hook creates, enforced by NCCL's watchdog)"))] = 300.0
     log_every: Annotated[int, Field(ge=0, description=(
         "every N optimizer steps, rank 0 logs one line (Python logging, logger \"commhooks\", level INFO): step, "
         "phase, period, syncs, bytes sent and what plain allreduce would have sent (0 = off)"))] = 0

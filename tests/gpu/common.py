@@ -48,9 +48,9 @@ def record(name: str, figures: dict) -> None:
     print(f"\n[gpu-check] {name}: {json.dumps(figures)}", flush=True)
 
 
-def model(dropout: float = 0.0) -> nn.Module:
+def model(dropout: float = 0.0, batchnorm: bool = True) -> nn.Module:
     torch.manual_seed(0)
-    layers = [nn.Linear(12, 32), nn.BatchNorm1d(32), nn.ReLU()]
+    layers = [nn.Linear(12, 32), *([nn.BatchNorm1d(32)] if batchnorm else []), nn.ReLU()]
     if dropout:
         layers.append(nn.Dropout(dropout))
     return nn.Sequential(*layers, nn.Linear(32, 24), nn.ReLU(), nn.Linear(24, 3))
