@@ -70,12 +70,12 @@ def _scenarios(rank, world):
     # AB whose first basis compresses nothing, and AB that compresses
     ab = {"type": "ab", "warmup_steps": 3, "sync_period": 4, "full_rank_steps": 1, "rank_cutoff": 0.4, "group_size": 1,
           "log_every": 4}
-    _, caught, _ = _train({**ab, "min_compression_rate": 1000.0}, 8)
+    _, caught, _ = _train({**ab, "min_compression_rate": 1000.0, "total_steps": 8}, 8)
     out["ab_nothing"] = caught
-    state, caught, lines = _train({**ab, "min_compression_rate": 0.0}, 8)
+    state, caught, lines = _train({**ab, "min_compression_rate": 0.0, "total_steps": 8}, 8)
     out["ab_ordinary"] = {"warnings": caught, "lines": lines, "report": state.report()}
-    # AB phases sized by the rule (here ~100 steps) with no total_steps: the run may end inside one
-    _, caught, _ = _train({**ab, "min_compression_rate": 0.0, "sync_rule": "qsr", "h_base": 4, "alpha": 0.5}, 8)
+    # AB with no total_steps (fixed periods too): the run may end inside a phase
+    _, caught, _ = _train({**ab, "min_compression_rate": 0.0}, 8)
     out["ab_unbounded"] = caught
     # an overlap as long as the shortest period: the sync in flight lands when the next is due
     _, caught, _ = _train({"type": "qsr", "h_base": 2, "alpha": 0.0, "warmup_steps": 2, "total_steps": 8,
@@ -123,13 +123,14 @@ def test_warning_when_lr_still_rises_after_warmup(scenarios):
 def test_warning_when_a_period_may_outlast_the_run(scenarios):
     for res in scenarios:
         found = [w for w in res["unbounded"] if "total_steps is not set" in w]
-        assert len(found) == 1 and "state.sync()" in found[0], res["unbounded"]
+        assert len(found) == 1 and found[0].startswith("QSR: total_steps is not set"), res["unbounded"]
+        assert "`with state:`" in found[0] and "state.finish()" in found[0], found
 
 
 def test_warning_when_an_ab_phase_may_outlast_the_run(scenarios):
-    for res in scenarios:
+    for res in scenarios:  # a fixed sync_period too: the run's length need not be a multiple of it
         found = [w for w in res["ab_unbounded"] if "total_steps is not set" in w]
-        assert len(found) == 1 and found[0].startswith("AB chose a phase of "), res["ab_unbounded"]
+        assert len(found) == 1 and found[0].startswith("AB: total_steps is not set"), res["ab_unbounded"]
 
 
 def test_warning_when_overlap_reaches_the_next_sync(scenarios):

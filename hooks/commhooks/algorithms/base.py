@@ -168,6 +168,8 @@ class AlgorithmState:
     # hand gradients over only if True
     engine_data_parallel: ClassVar[bool] = False  # declared: the engine's own data parallelism (and sharding)
     # may run unchanged inside the groups of groups_needed (see data_parallel_groups)
+    runs_apart: bool = False  # declared (a class attribute or a property): the ranks' models differ between
+    # syncs, so a run must end with one (total_steps, `with state:`, finish())
 
     def __init__(
         self,
@@ -212,11 +214,14 @@ class AlgorithmState:
         self._last_scale: Optional[torch.Tensor] = None  # the scale a GradScaler handed to the last step (device)
         self._warned_scales = False
         self._join_config = None  # set by torch's Join context manager
+        self._in_context = False  # inside `with state:`, whose exit ends the run synced
+        self._warned_end = False
         self.setup()
         verify_same_everywhere(comm, f"the {self.display_name} hook", {
             "config": to_dict(self.config), "world": comm.size, "version": __version__,
             "params": [(n, tuple(p.shape)) for n, p in self.named_params], **self.describe()})
         self.start()
+        self._warn_unoptimized(self.named_params)
         self._handles = []
         self._amp_owned = []
         if not self.engine.drives_steps:
@@ -355,6 +360,8 @@ class AlgorithmState:
     def end_step(self) -> None:
         """After each optimizer step: count it, then :meth:`after_step`; every ``log_every`` steps a log line."""
         self.step += 1
+        if not self._warned_end:
+            self._warn_open_end()
         self.after_step()
         if self.config.log_every and self.step % self.config.log_every == 0 and self.comm.rank == 0:
             log.info(self.log_line())
@@ -507,11 +514,59 @@ class AlgorithmState:
         self.named_params = self.named_params + new
         self._name_of = {id(p): n for n, p in self.named_params}
         self._guard.extend([n for n, _ in new])
+        self._warn_unoptimized(new)
         self.parameters_added(new)
         return [n for n, _ in new]
 
     def parameters_added(self, new: List[Tuple[str, torch.Tensor]]) -> None:
         """Subclass hook: parameters that joined the sync (after :meth:`refresh_parameters`)."""
+
+    # ------------------------------------------------------- the run's end
+    def __enter__(self) -> "AlgorithmState":
+        """``with state:`` around the training loop: its exit ends the run synced (:meth:`finish`)."""
+        self._in_context = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._in_context = False
+        if exc_type is None:  # after an error the other ranks may not come: no collective then
+            self.finish()
+        return False
+
+    def finish(self) -> None:
+        """End the run with the same model on every rank: land the syncs in flight and, unless the last step
+        synced, sync now.  Collective: every rank calls it after its last step (``with state:`` does)."""
+        self.final_sync()
+
+    def _warn_open_end(self) -> None:
+        """Once, at the first step: a run whose ranks differ between syncs, with no known end and no ``with
+        state:``, may end between two syncs, with different models on the ranks."""
+        self._warned_end = True
+        if not self.runs_apart or self._in_context or "total_steps" not in type(self.config).model_fields:
+            return
+        if self.config.total_steps is not None:
+            return
+        warnings.warn(
+            f"{self.display_name}: total_steps is not set, and between syncs each rank's model is its own: a run that "
+            "ends between two syncs ends with different models on the ranks. Set total_steps (the last period then "
+            "ends with a sync; commhooks train fills it from --steps, DeepSpeed from its scheduler's "
+            "total_num_steps), or wrap the loop in `with state:` (its exit syncs if the last step did not; "
+            "state.finish() after the loop does the same)", stacklevel=4)
+
+    def _warn_unoptimized(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
+        """Trainable model parameters in none of the optimizers given: another optimizer that steps them after a
+        sync makes the ranks differ again, silently.  A warning on every rank, naming them."""
+        if self.module is None or self._names_given:
+            return
+        covered = {id(p) for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
+        missing = [n for n, p in named if p.requires_grad and id(p) not in covered]
+        if missing:
+            warnings.warn(
+                f"{self.display_name}: trainable parameters in none of the optimizers given: {', '.join(missing[:8])}"
+                f"{' ...' if len(missing) > 8 else ''} ({len(missing)}). If another optimizer steps them, its updates "
+                "after each sync make the ranks differ: pass every optimizer, in the order the loop steps them "
+                "(commhooks.ddp.register(ddp_model, [opt_a, opt_b], config), or optimizer=[opt_a, opt_b])",
+                stacklevel=4)
 
     # ------------------------------------------------------------ Join
     def join_hook(self, **kwargs) -> alignment.ShadowJoinHook:

@@ -192,6 +192,11 @@ class QSRState(AlgorithmState):
     engine_data_parallel = True  # an engine may run its own data parallelism (and ZeRO) inside each replica group
 
     @property
+    def runs_apart(self) -> bool:
+        """Between syncs each replica group's model is its own (unless the world is one group)."""
+        return len(self.replica_ranks) > 1
+
+    @property
     def reduces_gradients(self) -> bool:
         """Only with replica groups of 2 or more, unless the engine averages inside them itself."""
         return self.replica.size > 1 and not self.engine.replica_data_parallel
@@ -203,7 +208,7 @@ class QSRState(AlgorithmState):
         self.since_sync = 0
         self.H: Optional[int] = None  # chosen at the first step of each round
         self._previous_lr: Optional[float] = None
-        self._warned = set()  # warnings given once: "rising", "unbounded"
+        self._warned = set()  # warnings given once: "rising"
         c = self.config
         mine = self._mine()
         self.member = mine.index(self.comm.rank)  # this rank's part of the parameters (hierarchical)
@@ -280,11 +285,6 @@ class QSRState(AlgorithmState):
                 "fewer a sync is still in flight when the next one is due, so it lands first (the rank waits for it) "
                 f"and the overlap hides less than asked; use overlap_steps < h_base (e.g. {max(1, c.h_base // 2)})",
                 stacklevel=4)
-        if c.overlap_steps and c.total_steps is None:
-            warnings.warn(
-                f"QSR: overlap_steps={c.overlap_steps} and total_steps is not set: the last sync of the run lands only "
-                "if training goes on; call state.sync() after the loop (it lands what is in flight and syncs), or "
-                "set total_steps", stacklevel=4)
 
     def describe(self) -> dict:
         return {"replica_groups": self.replica_ranks}
@@ -317,7 +317,6 @@ class QSRState(AlgorithmState):
         self._check_lr(lr)
         if self.H is None:  # a round starts: its period from the lr of its first step (agreed inside Join)
             self.H = self.agree_on_period(qsr_period(self.step, lr, self.config))
-            self._check_period()
 
     def _check_lr(self, lr: float) -> None:
         """Warn once if the lr still rises after ``warmup_steps``: the rule would read a warm-up lr as a decayed
@@ -331,18 +330,6 @@ class QSRState(AlgorithmState):
                 f"QSR: the lr is still rising at optimizer step {self.step} ({previous:.3g} -> {lr:.3g}), after "
                 f"warmup_steps={self.config.warmup_steps}: the rule reads a warm-up lr as a decayed one and chooses "
                 "long periods (few syncs); set warmup_steps to the length of your lr warm-up", stacklevel=4)
-
-    def _check_period(self) -> None:
-        """Warn once if the rule chose a period longer than h_base with no total_steps: training that ends
-        inside it ends with the ranks unsynced."""
-        if (self.config.total_steps is None and self.H is not None and self.H > self.config.h_base
-                and "unbounded" not in self._warned and self.step >= self.config.warmup_steps):
-            self._warned.add("unbounded")
-            warnings.warn(
-                f"QSR chose a period of {self.H} steps at optimizer step {self.step} and total_steps is not set: if "
-                "training ends inside a period, the ranks end unsynced (different models). Set total_steps "
-                "(commhooks train fills it from --steps; under DeepSpeed it comes from the lr scheduler's "
-                "total_num_steps), or call state.sync() after the loop", stacklevel=4)
 
     def after_step(self) -> None:
         if self.H is None:  # a step that bypassed the pre-hook

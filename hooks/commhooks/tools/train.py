@@ -12,6 +12,7 @@ as JSON for ``commhooks table``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import inspect
 import json
@@ -325,7 +326,8 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
     wire_before = iface_bytes(args.wire_iface)
     counter = PayloadCounter()
     start = time.perf_counter()
-    with counter:  # every torch.distributed collective of the run, whoever issues it
+    # every torch.distributed collective of the run, whoever issues it; `with state:` ends the run synced
+    with counter, (state if isinstance(state, AlgorithmState) else contextlib.nullcontext()):
         for step in range(first_step, args.steps):
             loss, lr = train_step([next(batches) for _ in range(accumulation)])
             losses.append(loss)

@@ -17,6 +17,9 @@ first multiple of P after the warm-up); every later AB phase lasts
 first step, at least 1 and capped at ``total_steps``; the F full-rank steps
 follow each sync.  With ``alpha = 0`` (H = h_base = P) this is the plain
 schedule.
+
+Under either rule, an AB phase open at ``total_steps`` (when it is known) syncs
+there: the run ends with identical weights on every rank, whatever the period.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ def events_before(t: int, clock: Clock, config: ABConfig) -> List[str]:
             done = clock.phase_end is not None and t >= clock.phase_end
         else:
             done = t % p == 0 and t > clock.entered_at
+        if config.total_steps is not None and t == config.total_steps and t > clock.entered_at:
+            return [SYNC]  # the run's end: synced, no new phase after it
         return ([SYNC, ENTER] if f == 0 else [SYNC]) if done else []
     return [ENTER] if (t == clock.synced_at + f if qsr else t % p == f) else []
 

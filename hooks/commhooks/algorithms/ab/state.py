@@ -78,6 +78,11 @@ class ABState(AlgorithmState):
 
     reduces_gradients = True
 
+    @property
+    def runs_apart(self) -> bool:
+        """In AB phases the groups train different factors: their models differ until the sync."""
+        return len(self.group_ranks) > 1
+
     def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
                  **kwargs):
         if optimizer is None:
@@ -98,7 +103,6 @@ class ABState(AlgorithmState):
     def setup(self) -> None:
         self.group_ranks, self.group_roles = make_groups(self.config, self.comm.size, self.engine.local_world_size)
         self.clock = Clock()
-        self._warned_unbounded = False
         self.last_switch: Optional[int] = None
         self.bases: Dict[str, Basis] = {}  # compressed weights of the current AB phase
         self.ranks: Dict[str, Optional[int]] = {}  # rank per candidate at the last entry (None: kept dense)
@@ -134,18 +138,6 @@ class ABState(AlgorithmState):
         if needs_length(self.clock, self.config):
             length = self.agree_on_period(ab_phase_length(self.step, self.lr(), self.config))
             self.clock.phase_end = self.step + length
-            self._check_period(length)
-
-    def _check_period(self, length: int) -> None:
-        """Warn once if the rule chose a phase longer than h_base with no total_steps (as QSR does): training
-        that ends inside the phase ends with the groups holding different models."""
-        if self.config.total_steps is None and length > self.config.period_base and not self._warned_unbounded:
-            self._warned_unbounded = True
-            warnings.warn(
-                f"AB chose a phase of {length} steps at optimizer step {self.step} and total_steps is not set: if "
-                "training ends inside it, the groups end unsynced (different models). Set total_steps (commhooks "
-                "train fills it from --steps; under DeepSpeed it comes from the lr scheduler's total_num_steps), or "
-                "call state.sync() after the loop", stacklevel=4)
 
     def after_step(self) -> None:
         """Run the transitions due before the next step."""

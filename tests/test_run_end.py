@@ -1,0 +1,92 @@
+"""Every run ends the way the user asked: with the same model on every rank.
+
+* ``total_steps`` is honoured by every local algorithm (AB's fixed rule too): a run whose length is not a
+  multiple of the period ends with a sync;
+* without it, ``with state:`` (or ``state.finish()``) ends the run synced, and a run with neither warns once;
+* a trainable parameter that no given optimizer steps is named on every rank ("pass every optimizer").
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commhooks
+from tests.dist import run_ranks
+
+AB = {"type": "ab", "warmup_steps": 2, "sync_period": 4, "full_rank_steps": 1, "group_size": 1,
+      "min_compression_rate": 1.01, "rank_cutoff": 0.8}
+QSR = {"type": "qsr", "h_base": 4}
+
+
+class Body(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 12)
+        self.body = nn.Sequential(nn.Linear(12, 24), nn.ReLU(), nn.Linear(24, 3))
+
+    def forward(self, ids):
+        return self.body(self.emb(ids).mean(1))
+
+
+def _run(conf, steps, rank, use_with=False, two_optimizers=False, give_both=True):
+    net = DDP(Body(), forward_sync_buffers=False)
+    body = torch.optim.SGD(net.module.body.parameters(), lr=0.1, momentum=0.9)
+    optimizers = [body]
+    if two_optimizers:
+        optimizers.append(torch.optim.SGD(net.module.emb.parameters(), lr=0.5))
+    else:
+        body.add_param_group({"params": list(net.module.emb.parameters())})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = commhooks.ddp.register(net, optimizers if give_both else optimizers[:1], conf)
+        context = state if use_with else torch.enable_grad()
+        with context:
+            for step in range(steps):
+                g = torch.Generator().manual_seed(100 * step + rank)
+                ids = torch.randint(0, 10, (8, 5), generator=g, device="cpu")
+                y = torch.randint(0, 3, (8,), generator=g, device="cpu")
+                for opt in optimizers:
+                    opt.zero_grad()
+                F.cross_entropy(net(ids), y).backward()
+                for opt in optimizers:
+                    opt.step()
+    checksum = float(sum(p.detach().double().sum() for p in net.module.parameters()))
+    return {"checksum": checksum, "syncs": state.syncs, "step": state.step,
+            "warnings": [str(w.message) for w in caught if "commhooks" in w.filename or "QSR" in str(w.message)
+                         or "AB" in str(w.message)]}
+
+
+def _scenarios(rank, world):
+    return {
+        "ab-fixed-total": _run({**AB, "total_steps": 11}, 11, rank),  # 11 is no multiple of 4
+        "qsr-constant-total": _run({**QSR, "total_steps": 10}, 10, rank),
+        "ab-with": _run(AB, 11, rank, use_with=True),
+        "qsr-with": _run(QSR, 10, rank, use_with=True),
+        "qsr-open": _run(QSR, 10, rank),  # neither: warned, and really apart
+        "ab-open": _run(AB, 11, rank),
+        "two-optimizers-one-given": _run({**QSR, "total_steps": 10}, 10, rank, two_optimizers=True, give_both=False),
+        "two-optimizers-both-given": _run({**QSR, "total_steps": 10}, 10, rank, two_optimizers=True),
+    }
+
+
+def test_runs_end_synced_or_say_why_not():
+    r0, r1 = run_ranks(_scenarios, 2, timeout=240)
+    for name in ("ab-fixed-total", "qsr-constant-total", "ab-with", "qsr-with", "two-optimizers-both-given"):
+        assert r0[name]["checksum"] == r1[name]["checksum"], (name, r0[name], r1[name])
+        assert r0[name]["warnings"] == r1[name]["warnings"] == [], (name, r0[name]["warnings"])
+    for name in ("qsr-open", "ab-open"):  # the run ends between syncs: the ranks differ, and were told
+        assert r0[name]["checksum"] != r1[name]["checksum"], name
+        for r in (r0, r1):
+            found = [w for w in r[name]["warnings"] if "total_steps is not set" in w]
+            assert len(found) == 1 and "`with state:`" in found[0], (name, r[name]["warnings"])
+    assert r0["ab-fixed-total"]["syncs"] == 3  # at 4, 8 and the run's end, 11
+    for r in (r0, r1):  # the embedding stepped by an optimizer the state was not given: named on every rank
+        found = [w for w in r["two-optimizers-one-given"]["warnings"] if "in none of the optimizers given" in w]
+        assert len(found) == 1 and "emb.weight" in found[0] and "pass every optimizer" in found[0], found
+    assert r0["two-optimizers-one-given"]["checksum"] != r1["two-optimizers-one-given"]["checksum"]
