@@ -24,7 +24,9 @@ What differs by backend, and how it is handled here:
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -33,6 +35,32 @@ import torch.distributed as dist
 from .base import Comm, Group
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "mean": dist.ReduceOp.AVG}
+
+
+_TEARDOWN_REGISTERED = False
+
+
+def _release_before_exit() -> None:
+    """At interpreter exit, before torch's modules are torn down: free what reference cycles keep (futures of
+    finished collectives and their callbacks hold tensors), then destroy the default process group.
+
+    Without it a plain script (no ``destroy_process_group()``, as most users' and every framework's) sometimes
+    died after training in gloo's teardown, "terminate called without an active exception" (rc 134): the
+    cycles were freed by gloo's worker threads while the interpreter was shutting down (measured: 6 of 30
+    two-rank AB runs under torchrun)."""
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the process is ending; nothing may stop it now
+            pass
+
+
+def _arrange_teardown() -> None:
+    global _TEARDOWN_REGISTERED
+    if not _TEARDOWN_REGISTERED:
+        atexit.register(_release_before_exit)
+        _TEARDOWN_REGISTERED = True
 
 
 def backend_name(process_group, device: torch.device) -> Optional[str]:
@@ -60,6 +88,7 @@ class TorchComm(Comm):
                 "torch.distributed is not initialised: call torch.distributed.init_process_group "
                 "(or commhooks.launch.init_distributed) before building a commhooks state"
             )
+        _arrange_teardown()
         self.process_group = process_group or dist.group.WORLD
         self._global_ranks = dist.get_process_group_ranks(self.process_group)
         self._backends: Dict[Tuple[int, str], Optional[str]] = {}
