@@ -58,6 +58,9 @@ def test_deepspeed_matches_ddp(launcher, config, tmp_path):
         assert b_ns == b_gas
         if r["kind"] == "qsr":
             check_toy(r["toy"], "ds", 14)
+            # train_batch_size is the global batch over the 2 ranks, as without commhooks (micro, accumulation, dp)
+            assert r["batches"]["tbs16"] == (8, 1, 1) and r["batches"]["tbs16-gas2"] == (4, 2, 1), r["batches"]
+            assert "train_batch_size 15 cannot be shared by the 2 ranks" in r["batches"]["tbs15"], r["batches"]
         if r["kind"] == "ab":
             assert "needs zero_optimization.stage 0, got 1" in r["zero1"], r["zero1"]
             check_ab_bf16(r)

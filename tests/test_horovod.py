@@ -57,6 +57,7 @@ def check(results):
         assert "op=" in r["op_sum"] and "use hvd.Average" in r["op_sum"], r["op_sum"]
         calls, distinct = r["names"]  # names repeat step after step, so Horovod's response cache can hit
         assert calls > 200 and distinct < calls / 8, r["names"]
+        assert r["broadcast_step"] == (6, 2, 2), r["broadcast_step"]  # hvd.broadcast_optimizer_state's step: uncounted
         # two same-shaped layers whose hooks fire in opposite orders on even and odd ranks: paired by name
         started, err = r["opposite_order"]
         assert sorted(started) == ["a.bias", "a.weight", "b.bias", "b.weight"], started

@@ -117,3 +117,36 @@ def test_plain_scripts_exit_cleanly_without_shutdown():
             if p.returncode != 0 or "done" not in out:
                 failed.append((i, r, p.returncode, out[-500:]))
     assert not failed, failed
+
+
+def _unfrozen(rank, world):
+    """A layer frozen when DDP built its buckets and unfrozen at step 2 (fine-tuning): DDP never reduces its
+    gradient, so the state does, in AB's warm-up and full-rank steps (world mean) and its AB steps (group)."""
+    net = Body()
+    for p in net.emb.parameters():
+        p.requires_grad_(False)
+    net = DDP(net, forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.module.parameters(), lr=0.1, momentum=0.9)
+    state = commhooks.ddp.register(net, opt, {**AB, "warmup_steps": 6, "total_steps": 12})
+    apart = []
+    for step in range(12):
+        if step == 2:
+            for p in net.module.emb.parameters():
+                p.requires_grad_(True)
+        g = torch.Generator().manual_seed(100 * step + rank)
+        ids = torch.randint(0, 10, (8, 5), generator=g, device="cpu")
+        y = torch.randint(0, 3, (8,), generator=g, device="cpu")
+        opt.zero_grad()
+        F.cross_entropy(net(ids), y).backward()
+        opt.step()
+        emb = net.module.emb.weight.detach().clone()
+        torch.distributed.all_reduce(emb, op=torch.distributed.ReduceOp.MAX)
+        apart.append((state.phase, float((emb - net.module.emb.weight.detach()).abs().max())))
+    return apart
+
+
+def test_a_layer_unfrozen_after_ddp_is_averaged_where_the_algorithm_averages():
+    for apart in run_ranks(_unfrozen, 2, timeout=120):
+        warmup = [d for phase, d in apart[:6]]
+        assert warmup == [0.0] * 6, apart  # identical in warm-up (full-rank allreduce), unfrozen included
+        assert apart[-1][1] == 0.0, apart  # and synced at the end

@@ -68,7 +68,7 @@ def comm_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tens
     buffer = bucket.buffer()
     if not state.reduces_gradients:
         return _completed(buffer)
-    work = state.reduce_gradients(bucket.gradients(), bucket.parameters(), flat=buffer)
+    work = state.reduce_bucket(bucket.gradients(), bucket.parameters(), flat=buffer)
     return work.future().then(lambda fut: buffer)
 
 

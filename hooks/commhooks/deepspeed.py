@@ -296,7 +296,7 @@ class _StepDriver:
             if p.grad is None:  # every rank must send the same tensors
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad if p.grad.dtype == torch.float32 else p.grad.float())
-        self.state.reduce_gradients(grads, self.params).wait()
+        self.state.reduce_bucket(grads, self.params).wait()
         for p, g in zip(self.lows, grads):
             if g is not p.grad:
                 p.grad.copy_(g)
@@ -395,12 +395,17 @@ def initialize(args=None, model=None, model_parameters=None, config=None, **kwar
     if conf is not None:
         if not dist.is_initialized():
             deepspeed.init_distributed()
-        mpu = ReplicaGroups.for_config(conf, dist.get_world_size(), engine_facts(model).local_world_size)
-        if mpu is not None:
+        world = dist.get_world_size()
+        groups = registry.for_config(conf).state_class.data_parallel_groups(
+            conf, world, engine_facts(model).local_world_size)
+        if groups is not None:
             if kwargs.get("mpu") is not None:
                 raise ConfigError("comm_hook with replica groups builds DeepSpeed's data-parallel groups itself "
                                   "(mpu); a model-parallel mpu cannot be combined with it yet")
-            kwargs["mpu"] = mpu
+            # checked before the groups are made (a collective): a bad batch is the same error on every rank
+            config = keep_global_batch(dict(config if isinstance(config, Mapping) else ds_config), world,
+                                       len(groups[0]))
+            kwargs["mpu"] = ReplicaGroups(groups)
     engine, optimizer, loader, scheduler = deepspeed.initialize(
         args=args, model=model, model_parameters=model_parameters, config=config if config is not None else ds_config,
         **kwargs,
@@ -410,6 +415,40 @@ def initialize(args=None, model=None, model_parameters=None, config=None, **kwar
     if hook_section is not None:
         attach(engine, conf)
     return engine, optimizer, loader, scheduler
+
+
+def keep_global_batch(ds_config: dict, world: int, replica: int) -> dict:
+    """The DeepSpeed config with ``train_batch_size`` per replica group, so the *global* batch stays the user's.
+
+    DeepSpeed reads ``train_batch_size`` as micro-batch x accumulation x data-parallel ranks.  Replica groups
+    make its data-parallel group the replica (``replica`` ranks, often 1), so the same file would give each
+    rank ``world / replica`` times the micro-batch it gets without commhooks (the DeepSpeedExamples CIFAR
+    config's 16 became 16 per rank on 2 ranks).  Here ``train_batch_size`` becomes its share per replica
+    group (``x replica / world``): micro-batch and accumulation come out as without commhooks, and the
+    run takes the same number of samples per step.  A size the groups cannot share evenly, or a file whose
+    three batch keys disagree over the world, is a ConfigError naming the keys.  Logged on rank 0."""
+    total = ds_config.get("train_batch_size")
+    if total is None or world == replica:
+        return ds_config
+    micro, accumulation = ds_config.get("train_micro_batch_size_per_gpu"), ds_config.get("gradient_accumulation_steps")
+    groups = world // replica
+    if micro is not None and accumulation is not None and micro * accumulation * world != total:
+        raise ConfigError(
+            f"DeepSpeed config: train_batch_size {total} != train_micro_batch_size_per_gpu {micro} x "
+            f"gradient_accumulation_steps {accumulation} x {world} ranks (DeepSpeed refuses it without commhooks too)")
+    if total % groups or (total // groups) % replica:
+        raise ConfigError(
+            f"DeepSpeed config: train_batch_size {total} cannot be shared by the {world} ranks in {groups} replica "
+            f"groups of {replica} (comm_hook group_size): use a multiple of {world}, or give "
+            "train_micro_batch_size_per_gpu instead")
+    per_group = total // groups
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.warning("commhooks: train_batch_size %d is the global batch over %d ranks; DeepSpeed's data-parallel "
+                    "group is a replica group of %d, so it gets train_batch_size %d (micro-batch x accumulation "
+                    "per rank: %d, as without commhooks)", total, world, replica, per_group, total // world)
+    return {**ds_config, "train_batch_size": per_group}
 
 
 def _world_sharded_loader(engine, dataset):

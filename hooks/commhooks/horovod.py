@@ -200,7 +200,7 @@ class _HookedOptimizer:
         # gradient hooks fire in autograd's order, which may differ between ranks: Horovod pairs calls by name,
         # so each parameter's reduction is named after the parameter (as in hvd.DistributedOptimizer)
         with state.comm.keyed(self._param_names[p]):
-            self._works[p] = state.reduce_gradients([p.grad], [p])
+            self._works[p] = state.reduce_bucket([p.grad], [p])
 
     def _grad_ready(self, p):
         if p in self._works:
@@ -235,6 +235,11 @@ class _HookedOptimizer:
             self._should_synchronize = True
 
     def _before_step(self):
+        if not self.state and _inside_horovod_broadcast():
+            # hvd.broadcast_optimizer_state initialises an empty optimizer state with a step on zero gradients:
+            # no training step, nothing to reduce (Horovod's own DistributedOptimizer is bypassed there too)
+            self.comm_hook_state.not_a_training_step()
+            return
         if self._should_synchronize and not self._synchronized:
             self.synchronize()
 
@@ -245,6 +250,18 @@ class _HookedOptimizer:
                 "optimizer.synchronize(): the gradients are still being reduced"
             )
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+
+def _inside_horovod_broadcast() -> bool:
+    """Whether this optimizer step is the one ``hvd.broadcast_optimizer_state`` makes to create the state."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "broadcast_optimizer_state" and "horovod" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _accept_horovod_defaults(hvd, kwargs) -> None:

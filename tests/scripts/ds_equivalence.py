@@ -97,6 +97,20 @@ if hook.kind == "ab":  # bf16 at ZeRO 0: the hook works on the fp32 masters; the
     result["bf16"] = {"ddp_autocast": ddp_autocast_run(hook), "ds_bf16": ds_run(hook, 1, bf16=True),
                       "initial": {n: t.detach().clone() for n, t in mlp().named_parameters()}}
 result["accumulation"] = {"ddp_no_sync": ddp_run(hook, 2), "ds_gas2": ds_run(hook, 2)}
+if hook.kind == "qsr":  # DeepSpeedExamples' CIFAR batch settings: the global batch stays the user's
+    batches = {}
+    for name, keys in {"tbs16": {"train_batch_size": 16}, "tbs16-gas2": {"train_batch_size": 16,
+                                                                          "gradient_accumulation_steps": 2},
+                       "tbs15": {"train_batch_size": 15}}.items():
+        cfg = {"steps_per_print": 2000, **keys, "zero_allow_untested_optimizer": True, "comm_hook": to_dict(hook)}
+        m = mlp()
+        try:
+            engine, _, _, _ = ds_adapter.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), **SGD), config=cfg)
+            batches[name] = (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+                             engine.dp_world_size)
+        except ConfigError as exc:
+            batches[name] = str(exc)
+    result["batches"] = batches
 try:  # QSR (replica groups of one rank: nothing to shard) equals stage 0; AB is refused before any collective
     result["zero1"] = ds_run(hook, 1, zero_stage=1)
 except ConfigError as exc:

@@ -142,6 +142,25 @@ def fp16_mean():
     return t.float().tolist()
 
 
+def broadcast_optimizer_state_step():
+    """Horovod's examples call hvd.broadcast_optimizer_state after building the optimizer: it steps once on zero
+    gradients to create the state.  That is no training step: 6 training steps count 6, sync twice."""
+    m = mlp()
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    opt = commhooks.horovod.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                                                 named_parameters=m.named_parameters(),
+                                                 hook={"type": "qsr", "h_base": 3, "total_steps": 6})
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for step in range(6):
+        opt.zero_grad()
+        x, y = batch(step)
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+    state = opt.comm_hook_state
+    return state.step, state.syncs, state.meter.calls()
+
+
+result["broadcast_step"] = broadcast_optimizer_state_step()
 result["opposite_order"] = opposite_hook_order()
 result["fp16_mean"] = fp16_mean()
 

@@ -28,12 +28,15 @@ chooses what to call from what the state *declares*, never from its name):
     Called by an optimizer step post-hook, after every optimizer step.  The
     base counts the step, then calls :meth:`after_step`: the place where a
     local method decides to :meth:`sync`, or a phase changes.
-``reduce_gradients(grads, params, flat=None) -> Work``
+``reduce_bucket(grads, params, flat=None) -> Work``
     Only if the class declares ``reduces_gradients = True``.  Engines that
     hand gradients over (DDP's comm hook with its bucket, Horovod's
     per-parameter hooks, DeepSpeed at the accumulation boundary) call it
-    once per bucket per optimizer step; it starts the reduction in place and
-    returns the in-flight :class:`~commhooks.comm.Work`.  A state that does
+    once per bucket per optimizer step; it starts the reduction in place
+    (the algorithm's :meth:`reduce_gradients`) and returns the in-flight
+    :class:`~commhooks.comm.Work`.  A trainable parameter the engine never
+    handed over in a step (a layer unfrozen after DDP built its buckets) is
+    reduced by the state itself before the optimizer step, the same way.  A state that does
     not declare it gets no call, and its engine sends no gradient at all
     (local steps: DDP's hook hands the local bucket back).
 ``sync()``
@@ -215,6 +218,8 @@ class AlgorithmState:
         self._warned_scales = False
         self._join_config = None  # set by torch's Join context manager
         self._in_context = False  # inside `with state:`, whose exit ends the run synced
+        self._uncounted = False  # the next optimizer step is no training step (see not_a_training_step)
+        self._reduced: set = set()  # ids of the parameters the engine handed over this step (reduce_bucket)
         self._warned_end = False
         self.setup()
         verify_same_everywhere(comm, f"the {self.display_name} hook", {
@@ -234,7 +239,13 @@ class AlgorithmState:
             self._handles.append(opt.register_step_pre_hook(
                 lambda o, args, kwargs: self._pre_step(o, starts=o is first)))
             if opt is last:
-                self._handles.append(opt.register_step_post_hook(lambda o, args, kwargs: self.end_step()))
+                self._handles.append(opt.register_step_post_hook(lambda o, args, kwargs: self._post_step()))
+
+    def _post_step(self) -> None:
+        if self._uncounted:
+            self._uncounted = False
+            return
+        self.end_step()
 
     # ------------------------------------------------------------ set-up
     def _resolve_config(self, config, settings) -> HookConfig:
@@ -325,20 +336,83 @@ class AlgorithmState:
         return float(group.get("scheduled_lr", group["lr"]))
 
     # ----------------------------------------------------- driven by engines
+    def not_a_training_step(self) -> None:
+        """The next ``optimizer.step()`` is no training step (an engine's state initialisation, e.g. Horovod's
+        ``broadcast_optimizer_state`` stepping on zero gradients): it is neither counted nor checked, and nothing
+        is sent.  Adapters call it; the schedule stays a function of the training steps."""
+        self._uncounted = True
+
     def _pre_step(self, optimizer, starts: bool) -> None:
         """Pre-hook of every optimizer: a GradScaler's unscale/skip, the NaN guard; the first one also
         starts the iteration (:meth:`begin_step`)."""
+        if self._uncounted:
+            return
         grad_scale, found_inf = alignment.scaler_inputs(optimizer)
         if grad_scale is not None:
             self._last_scale = grad_scale.detach()  # a fresh tensor each step (scale * 1): no copy, no host read
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        dropped = False
         if found_inf is not None:  # a GradScaler checked these gradients: it, not the guard, decides
             if any(optimizer is o for o in self._amp_owned) and alignment.apply_scaler(optimizer, params, grad_scale, found_inf):
                 self.skipped_steps += 1
-        else:
+                dropped = True
+        if starts and self.reduces_gradients:
+            if dropped:  # no update this step (every rank's overflow check agrees after the engine's reduction)
+                self._reduced = set()
+            else:
+                self._reduce_strays()
+        if found_inf is None:
             self._guard_step(params)
         if starts:
             self.begin_step()
+
+    def reduce_bucket(self, grads: List[torch.Tensor], params: List[torch.Tensor],
+                      flat: Optional[torch.Tensor] = None) -> Work:
+        """What engines call with each bucket of gradients: :meth:`reduce_gradients`, noting which parameters
+        the engine handed over this step."""
+        self._reduced.update(map(id, params))
+        return self.reduce_gradients(grads, params, flat)
+
+    def _reduce_strays(self) -> None:
+        """Reduce, as :meth:`reduce_gradients` would, the gradients of trainable parameters the engine did not
+        hand over this step (DDP builds its buckets once: a layer unfrozen later is never in one), so the ranks
+        do not drift apart where the algorithm keeps them together.  Only when the engine reduced something
+        this step (it hands gradients over); a missing gradient counts as zero, so every rank sends the same."""
+        if not self._reduced:
+            return
+        strays = [p for p in self._trainable() if id(p) not in self._reduced]
+        self._reduced = set()
+        if not strays:
+            return
+        for p in strays:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_kind: Dict[tuple, List[torch.Tensor]] = {}
+        for p in strays:
+            by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+        with self.collective_context():
+            for same in by_kind.values():
+                self.reduce_gradients([p.grad for p in same], same).wait()
+
+    def _trainable(self) -> List[torch.Tensor]:
+        """Every parameter a step may change now: the module's trainable ones and every optimizer's."""
+        seen, out = set(), []
+        if self.module is not None and not self._names_given:
+            for p in self.module.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        else:
+            for _, p in self.named_params:
+                seen.add(id(p))
+                out.append(p)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad and id(p) not in seen:
+                        seen.add(id(p))
+                        out.append(p)
+        return out
 
     def _guard_step(self, params: Sequence[torch.Tensor]) -> None:
         """The ``nonfinite`` policy on this optimizer's gradients: ``"raise"`` records on the device (read at the
