@@ -64,10 +64,33 @@ def test_deepspeed_matches_ddp(launcher, config, tmp_path):
         if r["kind"] == "ab":
             assert "needs zero_optimization.stage 0, got 1" in r["zero1"], r["zero1"]
             check_ab_bf16(r)
+            if r is results[0]:
+                check_flat_master(results)
         else:  # replica groups of one rank: ZeRO-1 shards nothing and trains exactly as stage 0
             assert_same(r["runs"]["base"]["ds"][0], r["zero1"][0], "qsr ZeRO-1 vs stage 0")
             pad = r["zero1"][1] - r["runs"]["base"]["ds"][1]  # ZeRO pads its flat partition to an alignment
             assert pad % 20 == 0 and 0 <= pad <= 20 * 16, pad  # 5 syncs x 4 bytes x the padding elements
+
+
+def check_flat_master(results):
+    """AB under bf16 ZeRO 0 with DeepSpeed's "Adam" and "AdamW" (FusedAdam in FP16_Optimizer: one flat fp32 master)
+    compresses the same layers at the same ranks as with a torch AdamW (one fp32 master per parameter), ends with
+    the same weights on both ranks, and trains close to it."""
+    for r in results:
+        runs = r["flat_master"]
+        assert runs["Adam"]["wrapper"] == runs["AdamW"]["wrapper"] == "FP16_Optimizer", runs["Adam"]["wrapper"]
+        assert runs["client"]["wrapper"] != "FP16_Optimizer", runs["client"]["wrapper"]
+        ranks = runs["client"]["ranks"]
+        assert ranks and any(k is not None for k in ranks.values()), ranks  # something is compressed
+        for name in ("Adam", "AdamW"):
+            assert runs[name]["ranks"] == ranks, (name, runs[name]["ranks"], ranks)
+            assert runs[name]["syncs"] == runs["client"]["syncs"] >= 2
+            gap = distance(runs[name]["params"], runs["client"]["params"])
+            size = sum(float(t.double().pow(2).sum()) for t in runs["client"]["params"].values()) ** 0.5
+            assert gap < 0.02 * size, (name, gap, size)
+    for name in ("Adam", "AdamW", "client"):  # synced at total_steps: the same weights on both ranks
+        a, b = results[0]["flat_master"][name]["params"], results[1]["flat_master"][name]["params"]
+        assert all(torch.equal(a[n], b[n]) for n in a), name
 
 
 def distance(a, b):

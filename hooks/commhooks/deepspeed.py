@@ -154,7 +154,8 @@ def check_supported(ds_config: Mapping[str, Any], conf=None) -> None:
         raise ConfigError(
             f"comm_hook type {conf.kind!r} needs zero_optimization.stage 0, got {stage}: it reduces gradients "
             "itself, per weight matrix, and ZeRO >= 1 reduce-scatters flat gradient partitions that cut through "
-            "the matrices inside its own optimizer; use stage 0 (bf16 is supported there), or a hook with "
+            "the matrices inside its own optimizer; use stage 0 (fp32 or bf16, with DeepSpeed's Adam/AdamW or your "
+            "own optimizer), or a hook with "
             "replica groups (qsr) for ZeRO 1/2")
     if precision == "fp16":
         raise ConfigError(
@@ -224,17 +225,21 @@ class ReplicaGroups:
 # ------------------------------------------------------------------ what the engine's optimizer steps
 
 
-def _masters(engine) -> Tuple[List[Tuple[str, torch.Tensor]], Optional[List[torch.Tensor]], Optional[Callable]]:
-    """(named master tensors, the module parameter of each or None, refresh) for the engine's optimizer.
+def _masters(engine):
+    """(named master tensors, the module parameter of each or None, refresh, slices) for the engine's optimizer.
 
     fp32 at ZeRO 0: the module's own parameters, nothing to refresh.  DeepSpeed's fp16/bf16 optimizer at
-    ZeRO 0: one fp32 copy per parameter (same shape), refreshed by copying.  ZeRO 1/2 and the BF16
-    optimizer: this rank's flat fp32 partition per param group, refreshed by DeepSpeed's
-    ``update_lp_params`` (copy into the low-precision partition, all-gather inside the data-parallel group).
+    ZeRO 0: one fp32 copy per parameter (same shape), refreshed by copying.  Its fused variant (DeepSpeed's
+    ``"Adam"``/``"AdamW"``: FusedAdam inside ``FP16_Optimizer``) keeps one flat fp32 master per param group:
+    handed over as one view per parameter (its shape, its name), so per-layer algorithms see each layer's
+    matrix, with ``slices`` mapping each view to its stretch of the flat master (whose optimizer state is
+    one).  ZeRO 1/2 and the BF16 optimizer: this rank's flat fp32 partition per param group, refreshed by
+    DeepSpeed's ``update_lp_params`` (copy into the low-precision partition, all-gather inside the
+    data-parallel group).
     """
     wrapper, inner = engine.optimizer, engine.basic_optimizer
     if wrapper is inner:
-        return list(engine.module.named_parameters()), None, None
+        return list(engine.module.named_parameters()), None, None, None
     if hasattr(wrapper, "fp32_groups") and hasattr(wrapper, "fp16_groups"):  # fp16/bf16 at ZeRO 0
         name_of = {id(p): n for n, p in engine.module.named_parameters()}
         named, lows = [], []
@@ -248,22 +253,28 @@ def _masters(engine) -> Tuple[List[Tuple[str, torch.Tensor]], Optional[List[torc
             for (_, hi), lo in zip(named, lows):
                 lo.copy_(hi)
 
-        return named, lows, refresh
-    if hasattr(wrapper, "fp32_groups_flat") and hasattr(wrapper, "fp16_groups"):  # fused fp16 (GPU FusedAdam)
-        named = [(f"flat.group{i}", p) for i, p in enumerate(wrapper.fp32_groups_flat)]
+        return named, lows, refresh, None
+    if hasattr(wrapper, "fp32_groups_flat") and hasattr(wrapper, "fp16_groups"):  # fused: one flat master per group
+        name_of = {id(p): n for n, p in engine.module.named_parameters()}
+        named, lows, slices = [], [], {}
+        for i, (flat, group) in enumerate(zip(wrapper.fp32_groups_flat, wrapper.fp16_groups)):
+            offset = 0
+            for j, lo in enumerate(group):
+                view = flat.detach().view(-1)[offset: offset + lo.numel()].view_as(lo)  # shares the flat's storage
+                named.append((name_of.get(id(lo), f"group{i}.param{j}"), view))
+                lows.append(lo)
+                slices[id(view)] = (flat, offset, offset + lo.numel())
+                offset += lo.numel()
 
         @torch.no_grad()
-        def refresh_flat():  # what FP16_Optimizer.step does after its update (not exercised on CPU: no FusedAdam)
-            for hi, lows in zip(wrapper.fp32_groups_flat, wrapper.fp16_groups):
-                offset = 0
-                for lo in lows:
-                    lo.data.copy_(hi[offset: offset + lo.numel()].view_as(lo))
-                    offset += lo.numel()
+        def refresh_flat():  # what FP16_Optimizer.step does after its update
+            for (_, hi), lo in zip(named, lows):
+                lo.data.copy_(hi)
 
-        return named, None, refresh_flat
+        return named, lows, refresh_flat, slices
     if hasattr(wrapper, "update_lp_params"):  # ZeRO 1/2, BF16_Optimizer: flat partitions
         named = [(f"partition.group{i}.{j}", p) for i, g in enumerate(inner.param_groups) for j, p in enumerate(g["params"])]
-        return named, None, wrapper.update_lp_params
+        return named, None, wrapper.update_lp_params, None
     raise ConfigError(f"comm_hook does not know DeepSpeed's optimizer {type(wrapper).__name__} (its fp32 master "
                       "weights are where a sync must act); use fp32, bf16 or fp16 at ZeRO stage 0, 1 or 2")
 
@@ -358,10 +369,11 @@ def attach(engine, config=None, process_group=None):
             f"but the engine was built with {engine.dp_world_size} data-parallel ranks; build it with "
             "commhooks.deepspeed.initialize (or pass mpu=commhooks.deepspeed.ReplicaGroups.for_config(...) to "
             "deepspeed.initialize)")
-    named, lows, refresh = _masters(engine)
+    named, lows, refresh, slices = _masters(engine)
     drives = engine.optimizer is not engine.basic_optimizer  # DeepSpeed's wrappers step the inner one per group
     facts = dataclasses.replace(facts, drives_steps=drives, replica_data_parallel=replica_parallel,
-                                lr_may_differ=drives and _may_skip_steps(engine), tensors_changed=refresh)
+                                lr_may_differ=drives and _may_skip_steps(engine), tensors_changed=refresh,
+                                master_slices=slices)
     state = state_class(optimizer=engine.basic_optimizer, named_parameters=named, engine=facts,
                         process_group=process_group, config=conf)
     _StepDriver(engine, state, lows, drives, engine_reduces=replica_parallel)

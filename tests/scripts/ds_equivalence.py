@@ -96,6 +96,28 @@ if hook.kind == "qsr":  # one launcher run proves the third, unknown algorithm t
 if hook.kind == "ab":  # bf16 at ZeRO 0: the hook works on the fp32 masters; the initial weights for the error scale
     result["bf16"] = {"ddp_autocast": ddp_autocast_run(hook), "ds_bf16": ds_run(hook, 1, bf16=True),
                       "initial": {n: t.detach().clone() for n, t in mlp().named_parameters()}}
+if hook.kind == "ab":  # bf16 at ZeRO 0 with DeepSpeed's own Adam / AdamW (one flat fp32 master) vs a torch AdamW
+    flat = {}
+    conf = load_config({**to_dict(hook), "total_steps": args.steps})
+    for name in ("Adam", "AdamW", "client"):
+        m = mlp()
+        cfg = {"train_micro_batch_size_per_gpu": 16, "gradient_clipping": 0.0, "bf16": {"enabled": True},
+               "zero_optimization": {"stage": 0}, "comm_hook": to_dict(conf)}
+        if name == "client":
+            engine, _, _, _ = ds_adapter.initialize(model=m, config=cfg, optimizer=torch.optim.AdamW(
+                m.parameters(), lr=1e-3, weight_decay=0.01))
+        else:
+            cfg["optimizer"] = {"type": name, "params": {"lr": 1e-3, "weight_decay": 0.01}}
+            engine, _, _, _ = ds_adapter.initialize(model=m, model_parameters=m.parameters(), config=cfg)
+        for step in range(args.steps):
+            x, y = batch(step)
+            engine.backward(F.cross_entropy(engine(x.to(torch.bfloat16)).float(), y))
+            engine.step()
+        report = engine.comm_hook_state.report()
+        flat[name] = {"wrapper": type(engine.optimizer).__name__, "syncs": report["syncs"],
+                      "ranks": {layer["name"]: layer["rank"] for layer in report["layers"]},
+                      "params": {n: t.detach().float().clone() for n, t in m.named_parameters()}}
+    result["flat_master"] = flat
 result["accumulation"] = {"ddp_no_sync": ddp_run(hook, 2), "ds_gas2": ds_run(hook, 2)}
 if hook.kind == "qsr":  # DeepSpeedExamples' CIFAR batch settings: the global batch stays the user's
     batches = {}

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
+
+# a synced tensor that is a view into a flat optimizer parameter (DeepSpeed's fused fp16/bf16 master): its id ->
+# (the flat parameter, start, end), so the optimizer state of just that stretch can be read or cleared
+Slices = Optional[Dict[int, Tuple[torch.Tensor, int, int]]]
 
 from ..comm import Comm
 
@@ -17,9 +21,18 @@ def float_buffers(module: Optional[torch.nn.Module]) -> List[torch.Tensor]:
     return [] if module is None else [b for b in module.buffers() if torch.is_floating_point(b)]
 
 
-def optimizer_moments(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+def optimizer_moments(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
+                      slices: Slices = None) -> List[torch.Tensor]:
+    """The moment tensors (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``) of ``params``, as tensors that share
+    their storage (a parameter that is a view into a flat one: the same stretch of the flat moments)."""
     out = []
     for p in params:
+        where = (slices or {}).get(id(p))
+        if where is not None:
+            flat, a, b = where
+            st = optimizer.state.get(flat, {})
+            out += [st[f].view(-1)[a:b] for f in OPTIMIZER_STATE_FIELDS if isinstance(st.get(f), torch.Tensor)]
+            continue
         st = optimizer.state.get(p, {})
         out += [st[f] for f in OPTIMIZER_STATE_FIELDS if isinstance(st.get(f), torch.Tensor)]
     return out
@@ -42,7 +55,31 @@ def average_(comm: Comm, tensors: Iterable[torch.Tensor], group=None, tag: str =
             comm.allreduce([t.data for t in same_kind], op="mean", group=group, tag=tag)
 
 
-def clear_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
-    """Forget the state of ``params`` (momentum, Adam moments and step): the optimizer re-creates it lazily."""
+def clear_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
+                          slices: Slices = None) -> None:
+    """Forget the state of ``params`` (momentum, Adam moments and step): the optimizer re-creates it lazily.
+
+    A parameter that is a view into a flat one (``slices``): its stretch of the flat state's tensors is zeroed
+    (the step count is the flat parameter's, shared); a flat parameter whose every stretch is cleared loses its
+    whole state, as a plain one would."""
+    cleared: Dict[int, List[Tuple[int, int]]] = defaultdict(list)
+    flats: Dict[int, torch.Tensor] = {}
     for p in params:
-        optimizer.state.pop(p, None)
+        where = (slices or {}).get(id(p))
+        if where is None:
+            optimizer.state.pop(p, None)
+            continue
+        flat, a, b = where
+        cleared[id(flat)].append((a, b))
+        flats[id(flat)] = flat
+    for key, stretches in cleared.items():
+        flat = flats[key]
+        if sum(b - a for a, b in stretches) >= flat.numel():
+            optimizer.state.pop(flat, None)
+            continue
+        st = optimizer.state.get(flat, {})
+        with torch.no_grad():
+            for value in st.values():
+                if isinstance(value, torch.Tensor) and value.numel() == flat.numel():
+                    for a, b in stretches:
+                        value.view(-1)[a:b].zero_()

@@ -121,6 +121,10 @@ class EngineFacts:
     * ``tensors_changed``: called right after the state changed the synced
       tensors outside an optimizer step (a sync, a re-basis); DeepSpeed
       refreshes the low-precision weights from the fp32 masters there.
+    * ``master_slices``: the tensors handed over are per-parameter views into
+      the engine's flat fp32 master (DeepSpeed's fused optimizers keep one per
+      group), so per-layer algorithms see each layer's matrix; this maps each
+      view to its stretch of the flat parameter, whose optimizer state is one.
     """
 
     module: Optional[torch.nn.Module] = None
@@ -130,6 +134,8 @@ class EngineFacts:
     replica_data_parallel: bool = False
     lr_may_differ: bool = False
     tensors_changed: Optional[Callable[[], None]] = None
+    master_slices: Optional[dict] = None  # the tensors handed over are views into flat optimizer parameters:
+    # id(view) -> (flat parameter, start, end) (DeepSpeed's fused fp16/bf16 master), for per-tensor optimizer state
 
 
 _FACT_PROVIDERS: List[Callable[[object], Optional[dict]]] = []
@@ -277,8 +283,9 @@ class AlgorithmState:
             named = list(self.module.named_parameters())
         else:
             named = []
-        named = [(n, p) for n, p in named if p.requires_grad]
+        named = [(n, p) for n, p in named if p.requires_grad or id(p) in (self.engine.master_slices or {})]
         seen = {id(p) for _, p in named}
+        seen |= {id(flat) for flat, _, _ in (self.engine.master_slices or {}).values()}  # covered by its views
         for k, opt in enumerate(self.optimizers):
             where = "optimizer" if len(self.optimizers) == 1 else f"optimizer[{k}]"
             for i, group in enumerate(opt.param_groups):

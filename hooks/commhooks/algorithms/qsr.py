@@ -358,7 +358,7 @@ class QSRState(AlgorithmState):
             named += [(f"buffer{i}", b) for i, b in enumerate(float_buffers(self.module))]
         if self.config.average_optimizer_state:
             params = [p for _, p in self.named_params]
-            moments = [m for opt in self.optimizers for m in optimizer_moments(opt, params)]
+            moments = [m for opt in self.optimizers for m in optimizer_moments(opt, params, self.engine.master_slices)]
             named += [(f"moment{i}", m) for i, m in enumerate(moments)]
         return named
 

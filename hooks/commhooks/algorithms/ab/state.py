@@ -197,7 +197,7 @@ class ABState(AlgorithmState):
                                                    f"before step {self.step}", untruncated)
         if first and not self.bases:
             self._warn_nothing_compressed()
-        clear_optimizer_state(self.optimizer, [self._param[n] for n in self.bases])
+        clear_optimizer_state(self.optimizer, [self._param[n] for n in self.bases], self.engine.master_slices)
         self.tensors_changed()
         if self.config.payload != "fp32":  # identical on every rank now: the reference of the sync's deltas
             tensors = transitions.phase_start_tensors(self._param, self.bases, self.config.sync)
@@ -229,7 +229,7 @@ class ABState(AlgorithmState):
             self.average(tensors + buffers, tag="sync")
         write()
         self.entry = None
-        clear_optimizer_state(self.optimizer, self._param.values())
+        clear_optimizer_state(self.optimizer, self._param.values(), self.engine.master_slices)
         self.bases = {}
         self.synced()
 
