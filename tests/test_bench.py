@@ -208,3 +208,29 @@ def test_bench_removes_a_dead_runs_namespaces_but_not_a_live_ones(tmp_path):
     finally:
         for name in (f"chb{dead}-r0", f"chb{live}-r0"):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_pictures_of_a_multinode_run_plot_the_bytes_crossing_the_node_links(tmp_path):
+    """The recorded GPT run (4 ranks, 2 nodes): the picture and the "vs DDP" column use the bytes on the node
+    links (wire tx), not the payload including the in-node gradient means, which put qsr-int8-hier to the right
+    of DDP; the payload stays in its own column."""
+    import shutil
+
+    from commhooks.tools import bench as bench_module
+
+    recorded = REPO / "results" / "bench-gpt-hier-2026-12-04"
+    shutil.copy(recorded / "results.json", tmp_path / "results.json")
+    assert bench_module.main(["--replot", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    points = json.loads((tmp_path / "accuracy_vs_bytes.json").read_text())
+    assert "crossing the node links, wire tx" in points["x"]
+    for name, (x, _) in points["points"].items():
+        assert x == results["methods"][name]["wire_tx_bytes_per_rank"], name
+    hier, ddp = points["points"]["qsr-int8-hier"][0], points["points"]["ddp"][0]
+    assert hier < 0.05 * ddp  # far to the left, as the wire counters say
+    assert results["methods"]["qsr-int8-hier"]["payload_bytes_per_rank"] > results["methods"]["ddp"]["payload_bytes_per_rank"]
+    md = (tmp_path / "table.md").read_text()
+    assert "| payload/rank (incl. in-node) | vs DDP (cross-node) |" in md
+    assert [r for r in md.splitlines() if r.startswith("| qsr-int8-hier |")][0].split(" | ")[5] == "0.025"
+    for png in ("accuracy_vs_bytes.png", "time_vs_bandwidth.png"):
+        assert (tmp_path / png).stat().st_size > 10_000

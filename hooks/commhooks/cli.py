@@ -38,7 +38,25 @@ def table(paths: Sequence[str]) -> str:
             f"| {r['label']} | {r['test_acc']:.4f} | {r['train_loss']:.4f} | {nbytes(r) / 1e6:.2f} MB "
             f"| {nbytes(r) / base:.3f} | {r['syncs']} | {r['steps']} | {r['wall_s']:.1f} s |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + ["", reading(runs)])
+
+
+def reading(runs: Sequence[dict], tolerance: float = 0.007) -> str:
+    """The table in a sentence for a newcomer: what "vs first" means, and which run to try first (the fewest
+    bytes among those within ``tolerance`` of the baseline's accuracy: 0.7 points, how much one seed's
+    accuracy moves between machines)."""
+    base = runs[0]
+    text = (f"Reading: 'vs first' is the bytes each rank sent over the run divided by {base['label']}'s "
+            f"(0.013 = 1.3 % of its traffic); accuracies within {100 * tolerance:.1f} points of each other are one "
+            "seed's noise.")
+    if len(runs) == 1 or base.get("test_acc") is None:
+        return text
+    close = [r for r in runs[1:] if r.get("test_acc") is not None and r["test_acc"] >= base["test_acc"] - tolerance]
+    if not close:
+        return text + f" No run here is within that of {base['label']}'s accuracy."
+    best = min(close, key=nbytes)
+    return (text + f" Try first: {best['label']} ({nbytes(best) / (nbytes(base) or 1):.1%} of the bytes, test acc "
+                   f"{best['test_acc']:.3f} against {base['test_acc']:.3f}).")
 
 
 def schema(args: argparse.Namespace) -> int:

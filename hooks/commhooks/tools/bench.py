@@ -320,7 +320,9 @@ def summarize(runs: Dict[str, List[dict]], per_node: int = 1) -> dict:
     first = next(iter(runs.values()))
     wire = [r["wire_bytes_per_rank"] for r in first]
     node_tx = None if wire[0] is None else mean([w["tx"] for w in wire])
+    across = mean([cross_node_payload(r.get("payload_bytes_by_group"), per_node) for r in first]) if per_node > 1 else None
     return {
+        "cross_node_payload_bytes_per_rank": across,
         "wire_tx_bytes_per_node": node_tx if per_node > 1 else None,
         "test_acc": first[0]["test_acc"],
         "val_loss": first[0].get("val_loss"),  # --model gpt
@@ -333,6 +335,36 @@ def summarize(runs: Dict[str, List[dict]], per_node: int = 1) -> dict:
         "syncs": first[0].get("syncs"),
         "config": first[0]["config"],
     }
+
+
+def cross_node_payload(by_group: Optional[Dict[str, int]], per_node: int) -> Optional[float]:
+    """A rank's payload on groups whose ranks sit on more than one node (groups keyed ``"0-2"``: its ranks):
+    the meter's view of what crosses the node links, where no wire counter was read."""
+    if by_group is None:
+        return None
+    return float(sum(b for g, b in by_group.items() if len({int(r) // per_node for r in g.split("-")}) > 1))
+
+
+def across_nodes(results: dict) -> bool:
+    return (results["setup"].get("nodes") or 1) > 1
+
+
+def compared_bytes(results: dict, m: dict) -> Optional[float]:
+    """The bytes the table's "vs DDP" and the picture compare: with nodes, what crosses the node links (the
+    wire counter where measured, else the meter's cross-node payload); else the payload a rank sent."""
+    if not across_nodes(results):
+        return m["payload_bytes_per_rank"]
+    if m.get("wire_tx_bytes_per_rank") is not None:
+        return m["wire_tx_bytes_per_rank"]
+    return m.get("cross_node_payload_bytes_per_rank")
+
+
+def bytes_label(results: dict) -> str:
+    if not across_nodes(results):
+        return "payload sent per rank over the run (MB, log)"
+    wire = any(m.get("wire_tx_bytes_per_rank") is not None for m in results["methods"].values())
+    return ("bytes per rank crossing the node links, " + ("wire tx" if wire else "the meter's cross-node payload")
+            + " (MB, log)")
 
 
 def quality_metric(results: dict) -> str:
@@ -356,16 +388,19 @@ def table(results: dict) -> str:
     head = ["method", metric.replace("_", " ") + (f" (seed {seeds[0]})" if len(seeds) > 1 else "")]
     if len(seeds) > 1:
         head.append(f"mean of seeds {'/'.join(map(str, seeds))}")
-    head += ["syncs", "payload/rank", "vs DDP", "wire tx/rank"]
+    nodes = across_nodes(results)
+    head += ["syncs", "payload/rank" + (" (incl. in-node)" if nodes else ""), "vs DDP" + (" (cross-node)" if nodes else ""),
+             "wire tx/rank"]
     head += [f"ms/step {bw}" for bw in bws] + [f"vs compute-only {bws[-1]}", f"vs DDP {bws[-1]}", f"overhead vs DDP {bws[0]}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in methods.items():
         payload = m["payload_bytes_per_rank"]
+        compared, base = compared_bytes(results, m), compared_bytes(results, ddp) if ddp else None
         row = [name, f"{m[metric]:.4f}"]
         if len(seeds) > 1:
             row.append("-" if m.get("quality_mean") is None else f"{m['quality_mean']:.4f}")
         row += ["-" if m.get("syncs") is None else str(m["syncs"]), f"{payload / 1e6:.2f} MB",
-               f"{payload / ddp['payload_bytes_per_rank']:.3f}" if ddp and ddp["payload_bytes_per_rank"] else "-",
+               f"{compared / base:.3f}" if base and compared is not None else "-",
                "-" if m["wire_tx_bytes_per_rank"] is None else f"{m['wire_tx_bytes_per_rank'] / 1e6:.2f} MB"]
         row += [f"{m['step_ms'][bw]:.2f}" for bw in bws]
         last, first = bws[-1], bws[0]
@@ -376,6 +411,29 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def title(results: dict) -> str:
+    s = results["setup"]
+    workload = "byte-level GPT" if quality_metric(results) == "val_loss" else f"MNIST-1D {s['model'].upper()}"
+    where = f"{s['ranks']} ranks on {s['nodes']} nodes" if across_nodes(results) else f"{s['ranks']} ranks"
+    return f"{workload}, {where}, {s['steps']} steps"
+
+
+def accuracy_points(results: dict) -> dict:
+    """What ``accuracy_vs_bytes.png`` plots: per method (bytes, quality), with the axes' labels.  Bytes are those of
+    :func:`compared_bytes` (with nodes: what crosses the node links), quality the mean of the seeds where there
+    are several."""
+    metric = quality_metric(results)
+    points = {}
+    for name, m in results["methods"].items():
+        x = compared_bytes(results, m)
+        if x:
+            points[name] = (x, m.get("quality_mean") or m[metric])
+    label = "test accuracy" if metric == "test_acc" else "validation loss (nats/byte)"
+    seeds = results["setup"].get("seeds") or []
+    return {"x": bytes_label(results), "y": label + (f", mean of {len(seeds)} seeds" if len(seeds) > 1 else ""),
+            "points": points}
+
+
 def plots(results: dict, out: Path) -> List[str]:
     import matplotlib
 
@@ -383,20 +441,16 @@ def plots(results: dict, out: Path) -> List[str]:
     import matplotlib.pyplot as plt
 
     methods, bws = results["methods"], results["setup"]["bandwidths"]
-    metric = quality_metric(results)
+    points = accuracy_points(results)
+    (out / "accuracy_vs_bytes.json").write_text(json.dumps(points, indent=2) + "\n")  # the plotted values
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, m in methods.items():
-        if m["payload_bytes_per_rank"]:
-            y = m.get("quality_mean") or m[metric]  # the mean of the seeds where there are several
-            ax.scatter(m["payload_bytes_per_rank"] / 1e6, y, s=40)
-            ax.annotate(name, (m["payload_bytes_per_rank"] / 1e6, y), fontsize=8, xytext=(4, 2), textcoords="offset points")
+    for name, (x, y) in points["points"].items():
+        ax.scatter(x / 1e6, y, s=40)
+        ax.annotate(name, (x / 1e6, y), fontsize=8, xytext=(4, 2), textcoords="offset points")
     ax.set_xscale("log")
-    ax.set_xlabel("payload sent per rank over the run (MB, log)")
-    label = "test accuracy" if metric == "test_acc" else "validation loss (nats/byte)"
-    seeds = results["setup"].get("seeds") or []
-    ax.set_ylabel(label + (f", mean of {len(seeds)} seeds" if len(seeds) > 1 else ""))
-    workload = "byte-level GPT" if metric == "val_loss" else "MNIST-1D"
-    ax.set_title(f"{workload} {results['setup']['model']}, {results['setup']['ranks']} ranks, {results['setup']['steps']} steps")
+    ax.set_xlabel(points["x"])
+    ax.set_ylabel(points["y"])
+    ax.set_title(title(results))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "accuracy_vs_bytes.png", dpi=120)
@@ -409,7 +463,11 @@ def plots(results: dict, out: Path) -> List[str]:
                 linestyle="-" if ours else "--", color=colours(i % 20), label=name)
     ax.set_xticks(range(len(bws)), bws)
     ax.set_yscale("log")
-    ax.set_xlabel(f"link per rank ({results['setup']['network']})")
+    import textwrap
+
+    ax.set_xlabel("\n".join(textwrap.wrap(f"link per {'node' if across_nodes(results) else 'rank'} "
+                                          f"({results['setup']['network']})", 70)), fontsize=9)
+    ax.set_title(title(results))
     ax.set_ylabel("time per optimizer step (ms, log)")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
@@ -444,6 +502,8 @@ def parse_args(argv=None):
     p.add_argument("--cache-dir", default=os.environ.get("COMMHOOKS_CACHE", ".cache"))
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds for all methods at one link setting")
     p.add_argument("--quick", action="store_true", help="20 steps, loopback, unlimited only (a smoke test)")
+    p.add_argument("--replot", metavar="DIR",
+                   help="only redraw DIR's table.md and pictures from its results.json (a recorded run), then stop")
     args = p.parse_args(argv)
     args.repeats = max(1, args.repeats)
     args.timeout *= args.repeats  # the limit is per link setting, for every run of every method
@@ -468,11 +528,23 @@ def parse_args(argv=None):
     return args
 
 
+def replot(directory: Path) -> int:
+    """Redraw a recorded run's table and pictures from its ``results.json`` (nothing is run)."""
+    results = json.loads((directory / "results.json").read_text())
+    md = table(results)
+    (directory / "table.md").write_text(md + "\n")
+    plots(results, directory)
+    print(md)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         return worker(argv[1])
     args = parse_args(argv)
+    if args.replot:
+        return replot(Path(args.replot))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     previous = signal.signal(signal.SIGTERM, _terminate)
