@@ -83,6 +83,22 @@ from .consistency import NonFiniteError, NonfiniteGuard, skip_gradients, verify_
 log = logging.getLogger("commhooks")
 
 
+_PACKAGE = __file__.rsplit("/algorithms/", 1)[0]  # .../commhooks
+_TORCH = torch.__file__.rsplit("/", 1)[0]
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the user's line (the first frame outside commhooks and
+    torch: the ``optimizer.step()`` or ``engine.step()`` of the loop), however deep the hooks call it."""
+    import sys
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
+                                 or frame.f_code.co_filename.startswith(_TORCH)):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def tensors_to(obj, device: torch.device):
     """``obj`` (dicts, lists, tuples of tensors and plain values) with every tensor on ``device``."""
     if isinstance(obj, torch.Tensor):
@@ -632,7 +648,7 @@ class AlgorithmState:
             "ends between two syncs ends with different models on the ranks. Set total_steps (the last period then "
             "ends with a sync; commhooks train fills it from --steps, DeepSpeed from its scheduler's "
             "total_num_steps), or wrap the loop in `with state:` (its exit syncs if the last step did not; "
-            "state.finish() after the loop does the same)", stacklevel=4)
+            "state.finish() after the loop does the same)", stacklevel=user_stacklevel())
 
     def _warn_unoptimized(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
         """Trainable model parameters in none of the optimizers given: another optimizer that steps them after a
@@ -647,7 +663,7 @@ class AlgorithmState:
                 f"{' ...' if len(missing) > 8 else ''} ({len(missing)}). If another optimizer steps them, its updates "
                 "after each sync make the ranks differ: pass every optimizer, in the order the loop steps them "
                 "(commhooks.ddp.register(ddp_model, [opt_a, opt_b], config), or optimizer=[opt_a, opt_b])",
-                stacklevel=4)
+                stacklevel=user_stacklevel())
 
     # ------------------------------------------------------------ Join
     def join_hook(self, **kwargs) -> alignment.ShadowJoinHook:
