@@ -150,3 +150,26 @@ def test_a_layer_unfrozen_after_ddp_is_averaged_where_the_algorithm_averages():
         warmup = [d for phase, d in apart[:6]]
         assert warmup == [0.0] * 6, apart  # identical in warm-up (full-rank allreduce), unfrozen included
         assert apart[-1][1] == 0.0, apart  # and synced at the end
+
+
+def _ddp_join_idiom(rank, world):
+    """PyTorch's documented idiom for uneven inputs, `with ddp_model.join():` (not `Join([ddp_model, state])`):
+    the state takes part too, so the rank out of data shadows the syncs and the ranks end identical."""
+    net = DDP(Body(), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    state = commhooks.ddp.register(net, opt, {**QSR, "h_base": 3})
+    batches = 10 if rank == 0 else 7
+    with net.join():
+        for step in range(batches):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            ids = torch.randint(0, 10, (8, 5), generator=g, device="cpu")
+            y = torch.randint(0, 3, (8,), generator=g, device="cpu")
+            opt.zero_grad()
+            F.cross_entropy(net(ids), y).backward()
+            opt.step()
+    return float(sum(p.detach().double().sum() for p in net.module.parameters())), state.step
+
+
+def test_ddp_join_idiom_includes_the_state():
+    (c0, s0), (c1, s1) = run_ranks(_ddp_join_idiom, 2, timeout=120)
+    assert c0 == c1 and s0 == s1 == 10, (c0, c1, s0, s1)

@@ -153,7 +153,8 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
         "world_size": world,
         "synced": synced,
         "model": module.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": [o.state_dict() for o in optimizer] if isinstance(optimizer, (list, tuple)) else
+        optimizer.state_dict(),
         "hook": None if state is None else state.state_dict(),
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "rng": torch.get_rng_state(),
@@ -288,7 +289,11 @@ def load_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
 
 def _restore(ck: dict, model, optimizer, state, scheduler) -> None:
     getattr(model, "module", model).load_state_dict(ck["model"])
-    optimizer.load_state_dict(ck["optimizer"])
+    if isinstance(optimizer, (list, tuple)):
+        for opt, saved in zip(optimizer, ck["optimizer"]):
+            opt.load_state_dict(saved)
+    else:
+        optimizer.load_state_dict(ck["optimizer"])
     if state is not None and ck["hook"] is not None:
         state.load_state_dict(ck["hook"])
     if scheduler is not None and ck["scheduler"] is not None:

@@ -97,14 +97,41 @@ def allreduce_hook(state: AllreduceState, bucket: dist.GradBucket) -> torch.futu
     return work.future().then(lambda fut: buffer)
 
 
+def _check_ddp(ddp_model) -> None:
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        from .config import ConfigError
+
+        raise ConfigError(
+            f"commhooks.ddp.register needs the DistributedDataParallel model, got {type(ddp_model).__name__}: frameworks "
+            "keep it apart from your module (Accelerate: what accelerator.prepare(model) returned; Hugging Face "
+            "Trainer: trainer.model_wrapped, or use commhooks.integrations.transformers.CommHookCallback; Lightning: "
+            "trainer.strategy.model, or use commhooks.integrations.lightning.CommHookCallback)")
+
+
+def _join_includes(ddp_model, state) -> None:
+    """Make PyTorch's own idiom ``with ddp_model.join():`` include the state (as ``Join([ddp_model, state])``):
+    a rank out of data then shadows the syncs too, instead of leaving the others' collectives unpaired."""
+    from torch.distributed.algorithms.join import Join
+
+    def join(divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False):
+        return Join([ddp_model, state], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    ddp_model.join = join  # an instance attribute: this model only
+
+
 def register(ddp_model, optimizer, config, process_group=None, scaler=None):
     """Build the state for ``config`` and register its hook on ``ddp_model``; return the state.
 
     ``config`` is a config object, a dict or a JSON path naming any
     registered algorithm; ``{"type": "none"}`` registers the metered plain
-    allreduce.  ``scaler``: your ``torch.amp.GradScaler``, if any, so the
-    syncs keep its scale equal on every rank (see ``state.use_scaler``).
+    allreduce.  ``optimizer``: one or a list, as frameworks hand them out
+    (Accelerate's and Lightning's wrappers are unwrapped).  ``scaler``: your
+    ``torch.amp.GradScaler``, if any, so the syncs keep its scale equal on
+    every rank (see ``state.use_scaler``).  Afterwards ``with ddp_model.join():``
+    includes the state.
     """
+    _check_ddp(ddp_model)
     config = load_config(config)
     if config is None:
         state = AllreduceState(process_group)
@@ -115,4 +142,5 @@ def register(ddp_model, optimizer, config, process_group=None, scaler=None):
     if scaler is not None:
         state.use_scaler(scaler)
     ddp_model.register_comm_hook(state, comm_hook)
+    _join_includes(ddp_model, state)
     return state

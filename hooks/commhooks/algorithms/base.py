@@ -99,6 +99,20 @@ def user_stacklevel() -> int:
     return level
 
 
+def unwrap_optimizer(optimizer):
+    """The torch optimizer inside a framework's wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``: both keep it as ``.optimizer``); the optimizer itself otherwise.  The step hooks
+    the state registers must sit on the optimizer whose ``step()`` really runs."""
+    seen = set()
+    while id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
 def tensors_to(obj, device: torch.device):
     """``obj`` (dicts, lists, tuples of tensors and plain values) with every tensor on ``device``."""
     if isinstance(obj, torch.Tensor):
@@ -282,7 +296,7 @@ class AlgorithmState:
 
     @staticmethod
     def _optimizer_list(optimizer) -> List[torch.optim.Optimizer]:
-        opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        opts = [unwrap_optimizer(o) for o in (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])]
         for i, opt in enumerate(opts):
             if not isinstance(opt, torch.optim.Optimizer):
                 raise ConfigError(f"optimizer[{i}] must be a torch.optim.Optimizer, got {type(opt).__name__}")
@@ -388,6 +402,18 @@ class AlgorithmState:
             self._guard_step(params)
         if starts:
             self.begin_step()
+
+    def optimizer_pre_step(self, optimizer) -> None:
+        """For frameworks that drive the steps themselves (``EngineFacts(drives_steps=True)``) and know when this
+        step's gradients are final (Lightning's ``on_before_optimizer_step``, after the closure's backward):
+        what the optimizer pre-hook does otherwise (GradScaler, NaN guard, strays, :meth:`begin_step`)."""
+        self._pre_step(unwrap_optimizer(optimizer), starts=unwrap_optimizer(optimizer) is self.optimizers[0])
+
+    def optimizer_post_step(self, optimizer) -> None:
+        """The counterpart of :meth:`optimizer_pre_step`, after the update (counts the step past the last
+        optimizer of the iteration)."""
+        if unwrap_optimizer(optimizer) is self.optimizers[-1]:
+            self._post_step()
 
     def reduce_bucket(self, grads: List[torch.Tensor], params: List[torch.Tensor],
                       flat: Optional[torch.Tensor] = None) -> Work:
@@ -712,7 +738,7 @@ class AlgorithmState:
         if self.nonfinite_seen():
             self._raise_nonfinite(1, f"checkpoint at step {self.step}")
         return {"step": self.step, "syncs": self.syncs, "skipped_steps": self.skipped_steps,
-                "config": to_dict(self.config), **self.algorithm_state_dict()}
+                "config": to_dict(self.config), "meter": self.meter.snapshot(), **self.algorithm_state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; every tensor in it lands on the synced tensors' device first (a checkpoint
@@ -721,6 +747,8 @@ class AlgorithmState:
         self.step = int(state["step"])
         self.syncs = int(state.get("syncs", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        if "meter" in state:  # the bytes of the whole run, not only of the part since the resume
+            self.meter.load(state["meter"])
         self.load_algorithm_state_dict(state)
 
     def algorithm_state_dict(self) -> dict:

@@ -109,6 +109,14 @@ class Meter:
             for (g, k, t) in sorted(self._bytes)
         }
 
+    def load(self, snapshot: Dict[str, Dict[str, int]]) -> None:
+        """Restore what :meth:`snapshot` gave (a resumed run then reports the bytes of the whole run)."""
+        self.reset()
+        for key, value in snapshot.items():
+            g, k, t = key.split("/", 2)
+            self._bytes[(g, k, t)] = int(value["bytes"])
+            self._calls[(g, k, t)] = int(value["calls"])
+
     def reset(self) -> None:
         self._bytes.clear()
         self._calls.clear()

@@ -1,0 +1,105 @@
+"""An Accelerate loop with commhooks, or the same loop on plain DDP with commhooks.ddp.register, 2 CPU ranks.
+
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 tests/scripts/accelerate_run.py --out DIR --hook qsr
+        [--plain] [--accum 2] [--steps N] [--save-at K] [--resume-from DIR] [--nan-at K] [--bf16]
+
+Each rank writes DIR/rank<r>.json: its parameter checksum and first values, the hook's step and syncs, the error.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import commhooks
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--hook", default="qsr")
+p.add_argument("--plain", action="store_true", help="torch DDP + commhooks.ddp.register instead of Accelerate")
+p.add_argument("--accum", type=int, default=1)
+p.add_argument("--steps", type=int, default=12)
+p.add_argument("--save-at", type=int, default=0)
+p.add_argument("--resume-from")
+p.add_argument("--nan-at", type=int, default=-1)
+p.add_argument("--bf16", action="store_true")
+args = p.parse_args()
+
+CONFIGS = {
+    "qsr": {"type": "qsr", "h_base": 3, "alpha": 0.002, "total_steps": args.steps},
+    "ab": {"type": "ab", "warmup_steps": 3, "sync_period": 5, "full_rank_steps": 1, "group_size": 1,
+           "min_compression_rate": 1.01, "rank_cutoff": 0.5, "total_steps": args.steps},
+}
+
+
+def batch(step, micro, rank):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randint(0, 64, (4, 16), generator=g)
+
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+result = {}
+if args.plain:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    commhooks.launch.init_distributed(backend="gloo")
+    rank = dist.get_rank()
+    net = DDP(model, broadcast_buffers=False)
+    state = commhooks.ddp.register(net, optimizer, CONFIGS[args.hook])
+
+    def train_step(step):
+        optimizer.zero_grad()
+        for m in range(args.accum):
+            ids = batch(step, m, rank)
+            if m < args.accum - 1:
+                with net.no_sync():
+                    (net(input_ids=ids, labels=ids).loss / args.accum).backward()
+            else:
+                (net(input_ids=ids, labels=ids).loss / args.accum).backward()
+        optimizer.step()
+else:
+    from accelerate import Accelerator
+
+    from commhooks.integrations import accelerate as integration
+
+    accelerator = Accelerator(gradient_accumulation_steps=args.accum, mixed_precision="bf16" if args.bf16 else "no")
+    rank = accelerator.process_index
+    net, optimizer = accelerator.prepare(model, optimizer)
+    state = integration.register(accelerator, net, optimizer, CONFIGS[args.hook])  # the line
+
+    def train_step(step):
+        for m in range(args.accum):
+            with accelerator.accumulate(net):
+                ids = batch(step, m, rank)
+                loss = net(input_ids=ids, labels=ids).loss
+                accelerator.backward(loss)
+                if args.nan_at == step and rank == 0 and m == args.accum - 1:
+                    for param in net.parameters():
+                        param.grad.fill_(float("nan"))
+                optimizer.step()
+                optimizer.zero_grad()
+
+first = 0
+try:
+    if not args.plain and args.resume_from:
+        accelerator.load_state(args.resume_from)
+    first = state.step
+    with state:
+        for step in range(first, args.steps):
+            train_step(step)
+            if args.save_at and state.step == args.save_at and not args.plain:
+                accelerator.save_state(os.path.join(args.out, "ckpt"))
+except Exception as exc:  # noqa: BLE001 - reported to the test
+    result["error"] = f"{type(exc).__name__}: {exc}"
+result.update(rank=rank, checksum=float(sum(p.detach().double().sum() for p in model.parameters())),
+              first=[float(v) for v in next(model.parameters()).detach().flatten()[:6]],
+              step=state.step, syncs=state.syncs)
+with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fd:
+    json.dump(result, fd)

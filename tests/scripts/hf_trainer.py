@@ -1,0 +1,91 @@
+"""A Hugging Face Trainer run with commhooks' callback: a 2-layer GPT-2 from a config, synthetic tokens, 2 ranks.
+
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 tests/scripts/hf_trainer.py --out DIR --hook qsr [--accum 2]
+        [--max-steps N] [--save-steps K] [--resume] [--nan-at K] [--deepspeed ds.json] [--bf16]
+
+Each rank writes DIR/rank<r>.json: its parameter checksum, the hook's step and syncs, the error if any.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from commhooks.integrations.transformers import CommHookCallback
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--hook", default="qsr")
+p.add_argument("--accum", type=int, default=1)
+p.add_argument("--max-steps", type=int, default=12)
+p.add_argument("--save-steps", type=int, default=0)
+p.add_argument("--resume", action="store_true")
+p.add_argument("--nan-at", type=int, default=-1)
+p.add_argument("--deepspeed")
+p.add_argument("--bf16", action="store_true")
+p.add_argument("--local_rank", type=int)
+args = p.parse_args()
+
+CONFIGS = {
+    "qsr": {"type": "qsr", "h_base": 3, "alpha": 0.002},
+    "ab": {"type": "ab", "warmup_steps": 3, "sync_period": 5, "full_rank_steps": 1, "group_size": 1,
+           "min_compression_rate": 1.01, "rank_cutoff": 0.5},
+}
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 512
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(0, 64, (16,), generator=g)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+class InjectNaN(TrainerCallback):
+    """NaN gradients on rank 0 at optimizer step ``at`` (after backward, before the optimizer step)."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_pre_optimizer_step(self, a, state, control, model=None, **kw):
+        if state.global_step == self.at and int(os.environ.get("RANK", 0)) == 0:
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.grad.fill_(float("nan"))
+
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=4, gradient_accumulation_steps=args.accum,
+                          max_steps=args.max_steps, learning_rate=3e-3, warmup_steps=4, lr_scheduler_type="cosine",
+                          save_steps=args.save_steps or args.max_steps + 1, save_strategy="steps" if args.save_steps else "no",
+                          logging_steps=1000, report_to=[], use_cpu=not args.deepspeed, seed=0, data_seed=0,
+                          dataloader_num_workers=0, deepspeed=args.deepspeed, bf16=args.bf16 and not args.deepspeed,
+                          disable_tqdm=True, ddp_find_unused_parameters=False)
+if args.deepspeed and args.bf16:
+    # TrainingArguments refuses bf16 on a CPU unless use_cpu, which turns DeepSpeed off; DeepSpeed's CPU accelerator
+    # runs bf16 (the suite's DeepSpeed tests do): set it after the check, for its "auto" bf16 section
+    targs.bf16 = True
+callbacks = [CommHookCallback(CONFIGS[args.hook])] if not args.deepspeed else [CommHookCallback(
+    json.load(open(args.deepspeed))["comm_hook"])]
+if args.nan_at >= 0:
+    callbacks.append(InjectNaN(args.nan_at))
+trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=callbacks)
+rank = int(os.environ.get("RANK", 0))
+result = {"rank": rank}
+try:
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
+except Exception as exc:  # noqa: BLE001 - reported to the test
+    result["error"] = f"{type(exc).__name__}: {exc}"
+hook = callbacks[0].state
+result.update(checksum=float(sum(p.detach().double().sum() for p in model.parameters())),
+              step=None if hook is None else hook.step, syncs=None if hook is None else hook.syncs,
+              params={n: p.detach().float().flatten()[:8].tolist() for n, p in list(model.named_parameters())[:3]})
+with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fd:
+    json.dump(result, fd)
