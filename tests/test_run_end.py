@@ -23,6 +23,12 @@ AB = {"type": "ab", "warmup_steps": 2, "sync_period": 4, "full_rank_steps": 1, "
 QSR = {"type": "qsr", "h_base": 4}
 
 
+def _tokens(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return (torch.randint(0, 10, (8, 5), generator=g, device="cpu"),
+            torch.randint(0, 3, (8,), generator=g, device="cpu"))
+
+
 class Body(nn.Module):
     def __init__(self):
         super().__init__()
@@ -48,9 +54,7 @@ def _run(conf, steps, rank, use_with=False, two_optimizers=False, give_both=True
         context = state if use_with else torch.enable_grad()
         with context:
             for step in range(steps):
-                g = torch.Generator().manual_seed(100 * step + rank)
-                ids = torch.randint(0, 10, (8, 5), generator=g, device="cpu")
-                y = torch.randint(0, 3, (8,), generator=g, device="cpu")
+                ids, y = _tokens(step, rank)
                 for opt in optimizers:
                     opt.zero_grad()
                 F.cross_entropy(net(ids), y).backward()
@@ -133,9 +137,7 @@ def _unfrozen(rank, world):
         if step == 2:
             for p in net.module.emb.parameters():
                 p.requires_grad_(True)
-        g = torch.Generator().manual_seed(100 * step + rank)
-        ids = torch.randint(0, 10, (8, 5), generator=g, device="cpu")
-        y = torch.randint(0, 3, (8,), generator=g, device="cpu")
+        ids, y = _tokens(step, rank)
         opt.zero_grad()
         F.cross_entropy(net(ids), y).backward()
         opt.step()
@@ -161,9 +163,7 @@ def _ddp_join_idiom(rank, world):
     batches = 10 if rank == 0 else 7
     with net.join():
         for step in range(batches):
-            g = torch.Generator().manual_seed(100 * step + rank)
-            ids = torch.randint(0, 10, (8, 5), generator=g, device="cpu")
-            y = torch.randint(0, 3, (8,), generator=g, device="cpu")
+            ids, y = _tokens(step, rank)
             opt.zero_grad()
             F.cross_entropy(net(ids), y).backward()
             opt.step()

@@ -56,7 +56,7 @@ import dataclasses
 import logging
 import os
 import warnings
-from typing import Any, Callable, List, Mapping, Optional, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 

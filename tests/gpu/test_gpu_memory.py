@@ -7,7 +7,6 @@ measured here.  CPU mode: a small model, the stated figures only."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import commhooks

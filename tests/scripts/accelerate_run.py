@@ -6,33 +6,21 @@
 Each rank writes DIR/rank<r>.json: its parameter checksum and first values, the hook's step and syncs, the error.
 """
 
-import argparse
 import json
 import os
 
 import torch
-import torch.nn.functional as F
-from transformers import GPT2Config, GPT2LMHeadModel
+from framework_common import configs, parser, tiny_gpt2
 
 import commhooks
 
-p = argparse.ArgumentParser()
-p.add_argument("--out", required=True)
-p.add_argument("--hook", default="qsr")
+p = parser("--steps")
 p.add_argument("--plain", action="store_true", help="torch DDP + commhooks.ddp.register instead of Accelerate")
-p.add_argument("--accum", type=int, default=1)
-p.add_argument("--steps", type=int, default=12)
 p.add_argument("--save-at", type=int, default=0)
 p.add_argument("--resume-from")
-p.add_argument("--nan-at", type=int, default=-1)
-p.add_argument("--bf16", action="store_true")
 args = p.parse_args()
 
-CONFIGS = {
-    "qsr": {"type": "qsr", "h_base": 3, "alpha": 0.002, "total_steps": args.steps},
-    "ab": {"type": "ab", "warmup_steps": 3, "sync_period": 5, "full_rank_steps": 1, "group_size": 1,
-           "min_compression_rate": 1.01, "rank_cutoff": 0.5, "total_steps": args.steps},
-}
+CONFIGS = configs(total_steps=args.steps)
 
 
 def batch(step, micro, rank):
@@ -40,9 +28,7 @@ def batch(step, micro, rank):
     return torch.randint(0, 64, (4, 16), generator=g)
 
 
-torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+model = tiny_gpt2()
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 result = {}
 if args.plain:

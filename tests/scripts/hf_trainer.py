@@ -6,34 +6,23 @@
 Each rank writes DIR/rank<r>.json: its parameter checksum, the hook's step and syncs, the error if any.
 """
 
-import argparse
 import json
 import os
-import sys
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from framework_common import configs, parser, tiny_gpt2, tokens
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from commhooks.integrations.transformers import CommHookCallback
 
-p = argparse.ArgumentParser()
-p.add_argument("--out", required=True)
-p.add_argument("--hook", default="qsr")
-p.add_argument("--accum", type=int, default=1)
-p.add_argument("--max-steps", type=int, default=12)
+p = parser()
 p.add_argument("--save-steps", type=int, default=0)
 p.add_argument("--resume", action="store_true")
-p.add_argument("--nan-at", type=int, default=-1)
 p.add_argument("--deepspeed")
-p.add_argument("--bf16", action="store_true")
 p.add_argument("--local_rank", type=int)
 args = p.parse_args()
 
-CONFIGS = {
-    "qsr": {"type": "qsr", "h_base": 3, "alpha": 0.002},
-    "ab": {"type": "ab", "warmup_steps": 3, "sync_period": 5, "full_rank_steps": 1, "group_size": 1,
-           "min_compression_rate": 1.01, "rank_cutoff": 0.5},
-}
+CONFIGS = configs()  # the callback fills total_steps from max_steps
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -41,8 +30,7 @@ class Tokens(torch.utils.data.Dataset):
         return 512
 
     def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        ids = torch.randint(0, 64, (16,), generator=g)
+        ids = tokens(i)
         return {"input_ids": ids, "labels": ids.clone()}
 
 
@@ -59,9 +47,7 @@ class InjectNaN(TrainerCallback):
                     param.grad.fill_(float("nan"))
 
 
-torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+model = tiny_gpt2()
 targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=4, gradient_accumulation_steps=args.accum,
                           max_steps=args.max_steps, learning_rate=3e-3, warmup_steps=4, lr_scheduler_type="cosine",
                           save_steps=args.save_steps or args.max_steps + 1, save_strategy="steps" if args.save_steps else "no",

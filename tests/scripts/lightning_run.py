@@ -7,33 +7,22 @@ tokens, DDP on 2 CPU ranks under torchrun.
 Each rank writes DIR/rank<r>.json: its parameter checksum, the hook's step and syncs, the error if any.
 """
 
-import argparse
 import json
 import os
 
 import lightning as L
 import torch
+from framework_common import configs, parser, tiny_gpt2, tokens
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from commhooks.integrations.lightning import CommHookCallback
 
-p = argparse.ArgumentParser()
-p.add_argument("--out", required=True)
-p.add_argument("--hook", default="qsr")
-p.add_argument("--accum", type=int, default=1)
-p.add_argument("--max-steps", type=int, default=12)
+p = parser()
 p.add_argument("--save-every", type=int, default=0)
 p.add_argument("--resume")
-p.add_argument("--nan-at", type=int, default=-1)
-p.add_argument("--bf16", action="store_true")
 args = p.parse_args()
 
-CONFIGS = {
-    "qsr": {"type": "qsr", "h_base": 3, "alpha": 0.002},
-    "ab": {"type": "ab", "warmup_steps": 3, "sync_period": 5, "full_rank_steps": 1, "group_size": 1,
-           "min_compression_rate": 1.01, "rank_cutoff": 0.5},
-}
+CONFIGS = configs()  # the callback fills total_steps from max_steps
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -44,16 +33,13 @@ class Tokens(torch.utils.data.Dataset):
         return 48
 
     def __getitem__(self, i):
-        g = torch.Generator().manual_seed(i)
-        return torch.randint(0, 64, (16,), generator=g)
+        return tokens(i)
 
 
 class Tiny(L.LightningModule):
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.gpt = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                                              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        self.gpt = tiny_gpt2()
 
     def training_step(self, ids, i):
         return self.gpt(input_ids=ids, labels=ids).loss
