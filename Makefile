@@ -6,7 +6,7 @@ NPROC  ?= 2
 TRAIN  := $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m commhooks.tools.train
 DEMO   := results/demo
 
-.PHONY: install demo test gpu-check gpu-wheels bench bench-gpt bench-gpt-hier bench-papers clean
+.PHONY: install demo test docs docs-serve gpu-check gpu-wheels bench bench-gpt bench-gpt-hier bench-papers clean
 
 install:
 	@bash .ci/install.sh
@@ -22,6 +22,13 @@ demo: install
 
 test: install
 	$(VENV)/bin/python -m pytest -q
+
+# the documentation site (docs/mkdocs.yml), strict: a broken link, a missing snippet or page fails it
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -f docs/mkdocs.yml
+
+docs-serve: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -f docs/mkdocs.yml
 
 # on a CUDA host: what only a GPU can show (tests/gpu; about 5 min on one H200); skipped, saying so, without CUDA
 gpu-check:

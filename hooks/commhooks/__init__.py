@@ -1,6 +1,6 @@
 """commhooks: communication-efficient training hooks for PyTorch DDP, Horovod and DeepSpeed.
 
-Public names only; see the README for usage.  Layers, bottom up: ``comm``
+Public names only; see the documentation (docs/, `make docs`) for usage.  Layers, bottom up: ``comm``
 (collectives + byte meter), ``config`` and ``registry``, ``algorithms``
 (``qsr``, ``ab``, the :class:`AlgorithmState` contract), the engine adapters
 ``ddp``, ``horovod``, ``deepspeed`` (the last two import their engine only

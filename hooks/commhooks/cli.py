@@ -3,7 +3,7 @@
 * ``train``: train with a hook; start it under a launcher (``torchrun ... -m commhooks.tools.train``).
 * ``bench``: every method side by side on a constrained network.
 * ``table``: a markdown table of summaries written by ``train --json-out``.
-* ``schema``: the JSON schema of the ``comm_hook`` section, or the README's key tables.
+* ``schema``: the JSON schema of the ``comm_hook`` section, or the docs' key tables.
 
 ``train`` and ``bench`` need the ``commhooks[tools]`` extra; ``table`` and
 ``schema`` run with the library alone.
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     tab = sub.add_parser("table", help="markdown table of summaries written by `train --json-out`")
     tab.add_argument("summaries", nargs="+", help="JSON files; the first is the baseline")
     sub.add_parser("configs", help="list the shipped configs (load one by name: config=\"qsr_mnist1d\")")
-    sch = sub.add_parser("schema", help="JSON schema of the comm_hook section (or the README's key tables)")
+    sch = sub.add_parser("schema", help="JSON schema of the comm_hook section (or the docs' key tables)")
     sch.add_argument("--markdown", action="store_true", help="the key tables as markdown instead of the JSON schema")
     sch.add_argument("--readme", help="regenerate the key tables between the markers in this file")
     sch.add_argument("--check", action="store_true", help="with --readme: only check, exit 1 if they differ")

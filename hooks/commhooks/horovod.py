@@ -1,11 +1,14 @@
 """Horovod adapter: both hooks behind the usual ``DistributedOptimizer`` line.
 
-One changed line for a Horovod user::
+Four changed lines for a Horovod user, and one at the end (``examples/horovod_train.py``)::
 
+    import commhooks.horovod
     commhooks.horovod.init(config)                     # was: hvd.init()  (adds the process sets the algorithm needs)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     optimizer = commhooks.horovod.DistributedOptimizer(   # was: hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), hook="configs/ab_mnist1d.json")
+    ...                                                # the loop, unchanged
+    optimizer.comm_hook_state.finish()                 # the run ends with a sync
 
 Why a wrapper of our own: ``hvd.DistributedOptimizer`` always starts an
 allreduce during backward (``skip_synchronize()`` only skips the wait), so

@@ -59,7 +59,7 @@ Writing a new algorithm: subclass, set ``reduces_gradients`` if it touches
 gradients, implement :meth:`after_step` (and :meth:`before_step`,
 :meth:`reduce_gradients`, :meth:`sync` as needed), keep extra resumable
 state in :meth:`algorithm_state_dict`; then one registry line.  See the
-README's "Adding an algorithm".
+documentation's design page ("Adding an algorithm").
 """
 
 from __future__ import annotations
@@ -531,7 +531,7 @@ class AlgorithmState:
         """After a sync: the ranks' mean proof shows the same step everywhere (else DivergenceError on every
         rank) and no NaN/Inf gradient on any rank (else NonFiniteError on every rank); equalize GradScaler
         scales that parted.  ``step``: the step the proof was made at (default: now; a sync applied later was
-        sent earlier).  A few host reads: the sync's cost, stated in the README."""
+        sent earlier).  A few host reads: the sync's cost, stated in the docs (GPUs and NCCL)."""
         size = self.comm.size if group is None else group.size
         step = self.step if step is None else step
         sums = alignment.proof_sums(mean, size)  # the sync's one host read of its proof
@@ -576,7 +576,7 @@ class AlgorithmState:
                     f"{self.display_name}: the ranks' GradScaler scales differ (a rank overflowed during local steps); "
                     "the next gradient-averaging steps would average gradients scaled by different factors. Pass "
                     "the scaler: state.use_scaler(scaler) or commhooks.ddp.register(..., scaler=scaler)",
-                    stacklevel=3)
+                    stacklevel=user_stacklevel())
             return
         scale = self.scaler._scale  # GradScaler keeps it as a one-element tensor
         lowest = -scale.detach().double().reshape(1).to(self.device)

@@ -55,7 +55,7 @@ from .averaging import float_buffers, optimizer_moments
 from ..comm import Group
 from . import replicas
 from ..config import ConfigError
-from .base import AlgorithmState
+from .base import AlgorithmState, user_stacklevel
 from .outer import OuterSync
 from .streaming import StreamedSyncs, send_points, split_views
 from .rule import QuadraticRuleFields, rule_period
@@ -228,7 +228,7 @@ class QSRState(AlgorithmState):
                 "(broadcast_buffers / forward_sync_buffers=True): that is traffic on every step "
                 "and overrides the local buffers; build DDP with forward_sync_buffers=False "
                 "(torch>=2.13) or broadcast_buffers=False, QSR averages buffers at each sync",
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
     def _check_hierarchical(self) -> None:
@@ -284,7 +284,7 @@ class QSRState(AlgorithmState):
                 f"QSR: overlap_steps={c.overlap_steps} >= h_base={c.h_base}: at periods of {c.overlap_steps} steps or "
                 "fewer a sync is still in flight when the next one is due, so it lands first (the rank waits for it) "
                 f"and the overlap hides less than asked; use overlap_steps < h_base (e.g. {max(1, c.h_base // 2)})",
-                stacklevel=4)
+                stacklevel=user_stacklevel())
 
     def describe(self) -> dict:
         return {"replica_groups": self.replica_ranks}
@@ -329,7 +329,7 @@ class QSRState(AlgorithmState):
             warnings.warn(
                 f"QSR: the lr is still rising at optimizer step {self.step} ({previous:.3g} -> {lr:.3g}), after "
                 f"warmup_steps={self.config.warmup_steps}: the rule reads a warm-up lr as a decayed one and chooses "
-                "long periods (few syncs); set warmup_steps to the length of your lr warm-up", stacklevel=4)
+                "long periods (few syncs); set warmup_steps to the length of your lr warm-up", stacklevel=user_stacklevel())
 
     def after_step(self) -> None:
         if self.H is None:  # a step that bypassed the pre-hook

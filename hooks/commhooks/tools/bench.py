@@ -373,7 +373,7 @@ def quality_metric(results: dict) -> str:
 
 
 def add_seed_means(results: dict, seeds: Sequence[int], quality: Dict[str, Dict[int, float]]) -> None:
-    """Each method's quality metric per seed and its mean (the README's accuracy claims use the mean)."""
+    """Each method's quality metric per seed and its mean (accuracy claims use the mean)."""
     for name, by_seed in quality.items():
         values = [by_seed[s] for s in seeds if by_seed.get(s) is not None]
         results["methods"][name]["quality_by_seed"] = {str(s): by_seed.get(s) for s in seeds}

@@ -21,7 +21,7 @@ prediction errs long on fast links).  Method overhead (PowerSGD's
 orthogonalisation, AB's projections) is unknown for a model you have not run:
 ``--calibrate`` takes it from a benchmark JSON (each method's step time on the
 unlimited link minus compute-only's).  Predictions for clusters you have not
-measured are predictions: the README says so next to them.
+measured are predictions: the docs say so next to them.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from ...comm import Work
 from ...comm.base import flatten
 from ...config import ConfigError
 from ..averaging import clear_optimizer_state
-from ..base import AlgorithmState
+from ..base import AlgorithmState, user_stacklevel
 from ..outer import OuterSync
 from . import transitions
 from .groups import make_groups
@@ -214,7 +214,7 @@ class ABState(AlgorithmState):
             f"AB: the first basis (step {self.step}) compresses no layer: {why}. AB then sends full-size tensors "
             "inside its groups (local SGD with group averaging, no compression). Lengthen warmup_steps so the "
             "spectra fall, raise rank_cutoff, or lower min_compression_rate; state.report()['layers'] shows each "
-            "layer's rank", stacklevel=4)
+            "layer's rank", stacklevel=user_stacklevel())
 
     def sync(self) -> None:
         """Average the groups' models over the world, leave AB, clear optimizer state."""
