@@ -32,6 +32,8 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..algorithms.alignment import STEP_PROOF_BYTES as PROOF  # the step proof in every commhooks sync
+
 Shapes = List[Tuple[str, Tuple[int, ...]]]
 
 # ----------------------------------------------------------------------------- models
@@ -167,7 +169,6 @@ class Traffic:
         return self.allreduce + self.allgather
 
 
-PROOF = 36  # the step proof in every commhooks sync
 
 
 def _config(path: str) -> dict:
@@ -177,7 +178,8 @@ def _config(path: str) -> dict:
     return read_json(find(path))
 
 
-def method_traffic(method: str, shapes: Shapes, schedule: Schedule, group_size: int = 1) -> Traffic:
+def method_traffic(method: str, shapes: Shapes, schedule: Schedule, group_size: int = 1,
+                   proof: int = PROOF) -> Traffic:
     """Per-step traffic of ``method`` (benchmark names) from its formula."""
     n = sum(math.prod(s) for _, s in shapes)
     steps = schedule.steps
@@ -203,7 +205,7 @@ def method_traffic(method: str, shapes: Shapes, schedule: Schedule, group_size: 
         codec = conf.get("payload", "fp32")
         outer = codec != "fp32" or conf.get("outer_lr", 1.0) != 1.0 or conf.get("outer_momentum", 0.0) != 0.0
         shard = math.ceil(n / group_size)
-        body = PROOF + payload.payload_nbytes(shard, codec, conf.get("payload_block", 256))
+        body = proof + payload.payload_nbytes(shard, codec, conf.get("payload_block", 256))
         t = Traffic(calls=syncs / steps, sharded=group_size > 1)
         if group_size > 1:
             t.allreduce_intra = 4 * n  # the engine's data parallelism inside the node, every step
