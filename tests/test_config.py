@@ -65,11 +65,12 @@ def test_json_files_and_deepspeed_section(tmp_path):
     with pytest.raises(ConfigError, match=r"ds\.json\.comm_hook: unknown key\(s\) 'oops'"):
         load_config(ds)
     # a bad value in a DeepSpeed config is named as the user wrote it (comm_hook.payload, not qsr.payload)
-    ds.write_text(json.dumps({"train_batch_size": 8, "comm_hook": {"type": "qsr", "payload": "int4"}}))
-    with pytest.raises(ConfigError, match=r"^comm_hook\.payload must be one of 'fp32', 'bf16', 'int8', got 'int4'"):
+    ds.write_text(json.dumps({"train_batch_size": 8, "comm_hook": {"type": "qsr", "payload": "int3"}}))
+    with pytest.raises(ConfigError, match=r"^comm_hook\.payload must be one of 'fp32', 'bf16', 'int8', 'int4', 'int2', "
+                                          r"'topk', got 'int3'"):
         load_config(ds)
     with pytest.raises(ConfigError, match=r"^qsr\.payload must be one of"):  # a plain hook config: the type
-        load_config({"type": "qsr", "payload": "int4"})
+        load_config({"type": "qsr", "payload": "int3"})
     broken = tmp_path / "broken.json"
     broken.write_text("{")
     with pytest.raises(ConfigError, match=r"broken\.json' is not valid JSON"):

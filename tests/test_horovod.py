@@ -46,7 +46,8 @@ def check(results):
                 assert torch.allclose(w_ddp[n], w_hvd[n], atol=1e-5, rtol=1e-4), (name, n, (w_ddp[n] - w_hvd[n]).abs().max())
             assert b_ddp == b_hvd > 0, (name, b_ddp, b_hvd)  # the meter reads the same payload totals
             assert s_ddp == s_hvd == 12
-        assert set(r["runs"]) == {"qsr", "qsr-int8-outer", "qsr-hierarchical", "ab-only-b", "ab-groups", "ab-groups-stale", "ab-x-qsr"}
+        assert set(r["runs"]) == {"qsr", "qsr-int8-outer", "qsr-hierarchical", "qsr-topk-int4", "ab-only-b", "ab-groups",
+                                  "ab-groups-stale", "ab-x-qsr"}
         (w_ddp, b_ddp, _), (w_hvd, b_hvd, _) = r["passes2"]["ddp"], r["passes2"]["hvd"]
         for n in w_ddp:
             assert torch.allclose(w_ddp[n], w_hvd[n], atol=1e-5, rtol=1e-4), ("backward_passes_per_step=2", n)

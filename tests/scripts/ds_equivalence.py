@@ -82,6 +82,8 @@ if hook.kind == "qsr":  # DiLoCo outer step with a compressed payload, through t
     variants["int8-outer"] = load_config({**to_dict(hook), "outer_lr": 0.7, "outer_momentum": 0.9, "payload": "int8",
                                           "error_feedback": True, "overlap_steps": 1, "fragments": 2})
     variants["bf16"] = load_config({**to_dict(hook), "payload": "bf16"})
+    variants["int2-stochastic"] = load_config({**to_dict(hook), "payload": "int2", "payload_block": 64,
+                                               "payload_rounding": "stochastic", "error_feedback": True})
 if hook.kind == "ab":
     variants["only-b"] = load_config({**to_dict(hook), "mode": "only-b"})
     variants["groups-stale"] = load_config({**to_dict(hook), "mode": "groups", "group_size": 1, "sync": "with-stale"})

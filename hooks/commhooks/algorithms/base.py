@@ -521,6 +521,11 @@ class AlgorithmState:
             average_(self.comm, tensors, group=group, tag=tag, rider=proof)
         self.check_proof(proof, group, tag)
 
+    def rounding_seed(self) -> int:
+        """A seed for this rank's stochastic rounding at this step: a function of the rank and the step only, so a
+        resumed run rounds as the uninterrupted one did."""
+        return (self.step * 1_000_003 + self.comm.rank) % (2 ** 61)
+
     def step_proof(self) -> torch.Tensor:
         """This rank's step proof (GradScaler scale, NaN/Inf record), on the synced tensors' device, to ride in a
         sync's payload."""

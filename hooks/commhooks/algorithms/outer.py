@@ -56,7 +56,8 @@ class OuterSync:
     def __init__(self, lr: float, momentum: float, nesterov: bool, codec: str, block: int, error_feedback: bool,
                  keep_sent_from: bool = True):
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
-        self.codec, self.block, self.error_feedback = codec, block, error_feedback
+        self.codec = payload.Codec.of(codec, block)  # a Codec, or a codec's name with its block size
+        self.block, self.error_feedback = self.codec.block, error_feedback
         self.keep_sent_from = keep_sent_from  # overlapped syncs merge the progress made since: keep the weights
         self.anchor: Optional[torch.Tensor] = None
         self.buffer: Optional[torch.Tensor] = None  # outer momentum
@@ -102,7 +103,7 @@ class OuterSync:
 
     @torch.no_grad()
     def send(self, comm: Comm, tensors: Sequence[torch.Tensor], proof: torch.Tensor, group=None,
-             tag: str = "sync") -> Tuple[Work, torch.Tensor]:
+             tag: str = "sync", seed: Optional[int] = None) -> Tuple[Work, torch.Tensor]:
         """Start averaging this rank's pseudo-gradient; returns the in-flight :class:`Work` (its ``wait()``
         gives ``(mean pseudo-gradient, mean proof)``) and the weights it was taken from (flat fp32), which
         :meth:`apply` needs to keep the local progress made while the sync was in flight (None without
@@ -110,7 +111,7 @@ class OuterSync:
         n, p, device = sum(t.numel() for t in tensors), proof.numel(), tensors[0].device
         self._to(device)
         packed = None
-        if self.codec == "fp32":  # the allreduce's buffer: the proof, then the pseudo-gradient
+        if self.codec.name == "fp32":  # the allreduce's buffer: the proof, then the pseudo-gradient
             packed = self._reused("send", p + n, device)
             packed[:p].copy_(proof)
             delta = packed[p:]
@@ -129,12 +130,12 @@ class OuterSync:
         if self.error_feedback and self.residual is not None:
             delta += self.residual
         sent = None
-        if self.codec != "fp32":
-            sent = payload.encode(delta, self.codec, self.block)
+        if self.codec.name != "fp32":
+            sent = self.codec.encode(delta, seed)  # (the seed: stochastic rounding's)
             if self.error_feedback:
-                lost = payload.decode(sent, self.codec, n, self.block)
+                lost = self.codec.decode(sent, n)
                 self.residual = torch.sub(delta, lost, out=self._residual_buffer(n, device))
-        return payload.start_mean(comm, delta, self.codec, self.block, proof, group=group, tag=tag, sent=sent,
+        return payload.start_mean(comm, delta, self.codec, self.codec.block, proof, group=group, tag=tag, sent=sent,
                                   packed=packed), local
 
     def _residual_buffer(self, numel: int, device) -> torch.Tensor:
@@ -144,8 +145,13 @@ class OuterSync:
 
     @torch.no_grad()
     def apply(self, mean: torch.Tensor, tensors: Sequence[torch.Tensor], sent_from: Optional[torch.Tensor] = None,
-              merge: str = "progress", alpha: float = 1.0) -> None:
+              merge: str = "progress", alpha: float = 1.0, scale: float = 1.0) -> None:
         """The outer step with the averaged pseudo-gradient ``mean``; then the weights.
+
+        ``scale`` (``outer_normalize="lr_sum"``: the inner learning rates summed over the round): the momentum
+        sees ``mean / scale``, a pseudo-gradient per unit of inner lr, so a long late round and a short early
+        one feed it on one scale; the step applied is the momentum step times ``scale``.  Without momentum
+        that is the plain step, whatever the scale.
 
         ``sent_from=None`` (a blocking sync): the weights become the new anchor.  Otherwise the sync was in
         flight while the weights moved on from ``sent_from``; ``merge="progress"`` keeps ``alpha`` of that
@@ -154,11 +160,13 @@ class OuterSync:
         device = tensors[0].device
         self._to(device)  # after a load onto the CPU
         mean = mean.to(device)
+        if scale != 1.0:
+            mean = mean / scale
         step = mean
         if self.momentum:
             self.buffer = mean.clone() if self.buffer is None else self.buffer.mul_(self.momentum).add_(mean)
             step = mean + self.momentum * self.buffer if self.nesterov else self.buffer
-        self.anchor -= self.lr * step
+        self.anchor -= (self.lr * scale) * step if scale != 1.0 else self.lr * step
         if sent_from is None or alpha == 0.0:
             self._write(tensors, self.anchor)
             return
@@ -168,9 +176,9 @@ class OuterSync:
         self._write(tensors, merged)
 
     def sync(self, comm: Comm, tensors: Sequence[torch.Tensor], proof: torch.Tensor, group=None,
-             tag: str = "sync") -> torch.Tensor:
+             tag: str = "sync", seed: Optional[int] = None) -> torch.Tensor:
         """One blocking outer step; ``tensors`` become the new anchor.  Returns the mean of the ranks' proofs."""
-        work, _ = self.send(comm, tensors, proof, group, tag)
+        work, _ = self.send(comm, tensors, proof, group, tag, seed)
         mean, proofs = work.wait()
         self.apply(mean, tensors)
         return proofs

@@ -1,28 +1,41 @@
-"""Compressed sync payloads: a pseudo-gradient in fp32, bf16 or int8, with the step proof, in one collective.
+"""Compressed sync payloads: a pseudo-gradient in fp32, bf16, int8, int4, int2 or top-k, with the step proof, in one
+collective.
 
 DiLoCo-style syncs send the *pseudo-gradient* (weights at the last sync minus
 local weights), which tolerates low precision far better than the weights
 themselves: it is small, centred on zero, and averaged over ranks.
-INTELLECT-1 sends it in int8 (400x less than DDP); Streaming DiLoCo in 4 bits.
+INTELLECT-1 sends it in int8 (400x less than DDP); Streaming DiLoCo in 4 bits;
+MuLoCo reports 2 bits with error feedback; SparseLoCo top-k at 1-3 % density.
 
-Codecs (``payload`` key):
+Codecs (``payload`` key; a :class:`Codec` carries the settings):
 
 * ``fp32``: 4 bytes per element, summed by an allreduce (exact mean).
 * ``bf16``: 2 bytes per element; relative error per element at most 2^-8
   (bf16 keeps 8 significant bits; round to nearest loses at most half a unit
   of the last one).
-* ``int8``: 1 byte per element plus one fp32 scale per block of
-  ``payload_block`` elements (``scale = absmax / 127``); the error per
-  element is at most ``scale / 2 = absmax_of_its_block / 254``.  Smaller
-  blocks follow outliers more closely at 4 bytes per block.
+* ``int8`` / ``int4`` / ``int2``: ``b`` bits per element, packed (8 / 2 / 4
+  elements per byte), plus one fp32 scale per block of ``payload_block``
+  elements: codes in ``[-q, q]`` with ``q = 2^(b-1) - 1`` (127, 7, 1: int2 is
+  ternary, -1 / 0 / +1), ``scale = absmax / q``.  Round to nearest: error per
+  element at most ``scale / 2 = absmax / (2q)`` (/254, /14, /2).  Stochastic
+  rounding (``payload_rounding``): unbiased, error below one ``scale``; its
+  random numbers come from a generator seeded by the rank and the step, so a
+  resumed run draws the same ones.  Smaller blocks follow outliers more closely
+  at 4 bytes per block.
+* ``topk``: per chunk of ``topk_chunk`` consecutive elements, the
+  ``ceil(topk_density * chunk)`` of largest magnitude, as 2-byte indices in
+  the chunk and their values (fp32, or a dense codec above with one scale per
+  chunk: ``topk_values``).  Chunking (as DeMo and SparseLoCo do) keeps one huge
+  tensor from taking every slot.  Everything else is dropped: use
+  ``error_feedback``, which carries it into the next sync.
 
-A sum of int8 codes would overflow, and Horovod's allreduce refuses bf16 and
+A sum of integer codes would overflow, and Horovod's allreduce refuses bf16 and
 8-bit tensors, so compressed payloads travel by **allgather** of packed bytes
-(step proof, scales, codes): every rank decodes the others' contributions and
+(step proof, payload): every rank decodes the others' contributions and
 accumulates them in fp32, in rank order, so every rank gets the identical
 mean.  Each rank receives ``size - 1`` payloads: for the small world of
 replica groups (a few nodes) that is what a ring allreduce moves too; for
-large worlds prefer ``bf16``/``int8`` inside a hierarchy.
+large worlds prefer a hierarchy (``hierarchical``).
 
 Error feedback (``error_feedback``): what the codec lost this sync is added
 to the next sync's pseudo-gradient, so rounding errors do not accumulate
@@ -31,78 +44,191 @@ into drift (tested: the residual is carried exactly).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
 import torch
 
+from pydantic import Field
+from typing_extensions import Annotated, Literal
+
 from ..comm import Comm, Work
+from ..config import HookConfig
 
-CODECS = ("fp32", "bf16", "int8")
-
-
-def payload_nbytes(numel: int, codec: str, block: int) -> int:
-    """Bytes of one rank's encoded payload (without the step proof)."""
-    if codec == "fp32":
-        return 4 * numel
-    if codec == "bf16":
-        return 2 * numel
-    return numel + 4 * math.ceil(numel / block)
+CODECS = ("fp32", "bf16", "int8", "int4", "int2", "topk")
+DENSE_BITS = {"int8": 8, "int4": 4, "int2": 2}
+ROUNDINGS = ("nearest", "stochastic")
+TOPK_VALUES = ("fp32", "bf16", "int8", "int4", "int2")
 
 
-def encode(x: torch.Tensor, codec: str, block: int) -> torch.Tensor:
-    """``x`` (flat fp32) as bytes (uint8)."""
-    if codec == "fp32":
-        return x.contiguous().view(torch.uint8)
-    if codec == "bf16":
-        return x.to(torch.bfloat16).view(torch.uint8)
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """How a payload is encoded: the codec's name and its settings (see the module docstring)."""
+
+    name: str = "fp32"
+    block: int = 256  # int8/int4/int2: elements per scale
+    rounding: str = "nearest"  # int8/int4/int2: "nearest" or "stochastic"
+    density: float = 0.01  # topk: the share of each chunk sent
+    chunk: int = 4096  # topk: elements per chunk (<= 65536: indices are 2 bytes)
+    values: str = "fp32"  # topk: how the chosen values travel
+
+    @classmethod
+    def of(cls, codec, block: int = 256) -> "Codec":
+        return codec if isinstance(codec, Codec) else cls(codec, block)
+
+    @property
+    def k(self) -> int:
+        """topk: elements sent per chunk."""
+        return max(1, math.ceil(self.density * self.chunk))
+
+    def nbytes(self, numel: int) -> int:
+        """Bytes of one rank's encoded payload (without the step proof)."""
+        if self.name == "fp32":
+            return 4 * numel
+        if self.name == "bf16":
+            return 2 * numel
+        if self.name in DENSE_BITS:
+            return _packed_len(numel, DENSE_BITS[self.name]) + 4 * math.ceil(numel / self.block)
+        chunks = math.ceil(numel / self.chunk)
+        k = min(self.k, self.chunk)
+        return 2 * chunks * k + self._values_codec().nbytes(chunks * k)
+
+    def _values_codec(self) -> "Codec":
+        return Codec(self.values, block=min(self.k, self.chunk), rounding=self.rounding)
+
+    def encode(self, x: torch.Tensor, seed: Optional[int] = None) -> torch.Tensor:
+        """``x`` (flat fp32) as bytes (uint8).  ``seed``: the stochastic rounding's (the rank and the step)."""
+        if self.name == "fp32":
+            return x.contiguous().view(torch.uint8)
+        if self.name == "bf16":
+            return x.to(torch.bfloat16).view(torch.uint8)
+        if self.name in DENSE_BITS:
+            return _encode_dense(x, DENSE_BITS[self.name], self.block, self.rounding, seed)
+        return self._encode_topk(x, seed)
+
+    def decode(self, data: torch.Tensor, numel: int) -> torch.Tensor:
+        """The flat fp32 tensor :meth:`encode` made ``data`` from (up to the codec's error)."""
+        if self.name == "fp32":
+            return data.view(torch.float32)
+        if self.name == "bf16":
+            return data.view(torch.bfloat16).float()
+        if self.name in DENSE_BITS:
+            return _decode_dense(data, DENSE_BITS[self.name], numel, self.block)
+        return self._decode_topk(data, numel)
+
+    def _encode_topk(self, x: torch.Tensor, seed: Optional[int]) -> torch.Tensor:
+        rows = _rows(x, self.chunk)
+        k = min(self.k, self.chunk)
+        idx = rows.abs().topk(k, dim=1).indices.sort(dim=1).values  # sorted: equal payloads for equal inputs
+        values = rows.gather(1, idx).reshape(-1)
+        return torch.cat([idx.to(torch.int16).reshape(-1).view(torch.uint8),
+                          self._values_codec().encode(values, seed)])
+
+    def _decode_topk(self, data: torch.Tensor, numel: int) -> torch.Tensor:
+        chunks, k = math.ceil(numel / self.chunk), min(self.k, self.chunk)
+        head = 2 * chunks * k
+        idx = data[:head].view(torch.int16).to(torch.int64).reshape(chunks, k) & 0xFFFF  # chunk <= 65536
+        values = self._values_codec().decode(data[head:], chunks * k).reshape(chunks, k)
+        out = torch.zeros(chunks, self.chunk, dtype=torch.float32, device=data.device)
+        out.scatter_(1, idx, values)
+        return out.reshape(-1)[:numel]
+
+
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` zero-padded to whole rows of ``width`` and viewed as them."""
     n = x.numel()
-    blocks = math.ceil(n / block)
-    padded = torch.zeros(blocks * block, dtype=torch.float32, device=x.device)
+    rows = math.ceil(n / width)
+    padded = torch.zeros(rows * width, dtype=torch.float32, device=x.device)
     padded[:n] = x
-    rows = padded.view(blocks, block)
-    scales = rows.abs().amax(dim=1) / 127.0
+    return padded.view(rows, width)
+
+
+def _packed_len(numel: int, bits: int) -> int:
+    return math.ceil(numel * bits / 8)
+
+
+def _encode_dense(x: torch.Tensor, bits: int, block: int, rounding: str, seed: Optional[int]) -> torch.Tensor:
+    q = 2 ** (bits - 1) - 1
+    n = x.numel()
+    rows = _rows(x, block)
+    scales = rows.abs().amax(dim=1) / q
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
-    return torch.cat([scales.view(torch.uint8), codes.view(torch.uint8)])
+    scaled = rows / safe[:, None]
+    if rounding == "stochastic":
+        g = torch.Generator(device=x.device).manual_seed(int(seed or 0) % (2 ** 63))
+        scaled = torch.floor(scaled + torch.rand(scaled.shape, generator=g, device=x.device))
+    else:
+        scaled = torch.round(scaled)
+    codes = scaled.clamp_(-q, q).to(torch.int8).reshape(-1)[:n]
+    if bits == 8:
+        packed = codes.view(torch.uint8)
+    else:
+        per = 8 // bits
+        unsigned = (codes.to(torch.int16) + q).to(torch.uint8)  # in [0, 2q]
+        unsigned = torch.nn.functional.pad(unsigned, (0, (-n) % per)).view(-1, per)
+        shifts = torch.arange(per, dtype=torch.uint8, device=x.device) * bits
+        packed = (unsigned << shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)  # disjoint bits: sum = or
+    return torch.cat([scales.view(torch.uint8), packed])
 
 
-def decode(data: torch.Tensor, codec: str, numel: int, block: int) -> torch.Tensor:
-    """The flat fp32 tensor that :func:`encode` made ``data`` from (up to the codec's error)."""
-    if codec == "fp32":
-        return data.view(torch.float32)
-    if codec == "bf16":
-        return data.view(torch.bfloat16).float()
+def _decode_dense(data: torch.Tensor, bits: int, numel: int, block: int) -> torch.Tensor:
+    q = 2 ** (bits - 1) - 1
     blocks = math.ceil(numel / block)
     scales = data[: 4 * blocks].view(torch.float32)
-    codes = data[4 * blocks:].view(torch.int8).float()
+    packed = data[4 * blocks:]
+    if bits == 8:
+        codes = packed.view(torch.int8).float()
+    else:
+        per = 8 // bits
+        shifts = torch.arange(per, dtype=torch.uint8, device=data.device) * bits
+        mask = (1 << bits) - 1
+        unsigned = (packed[:, None] >> shifts) & mask
+        codes = unsigned.reshape(-1)[:numel].to(torch.int16).float() - q
     return codes * scales.repeat_interleave(block)[:numel]
 
 
-def round_trip(x: torch.Tensor, codec: str, block: int) -> torch.Tensor:
+def payload_nbytes(numel: int, codec, block: int = 256) -> int:
+    """Bytes of one rank's encoded payload (without the step proof)."""
+    return Codec.of(codec, block).nbytes(numel)
+
+
+def encode(x: torch.Tensor, codec, block: int = 256, seed: Optional[int] = None) -> torch.Tensor:
+    """``x`` (flat fp32) as bytes (uint8)."""
+    return Codec.of(codec, block).encode(x, seed)
+
+
+def decode(data: torch.Tensor, codec, numel: int, block: int = 256) -> torch.Tensor:
+    """The flat fp32 tensor that :func:`encode` made ``data`` from (up to the codec's error)."""
+    return Codec.of(codec, block).decode(data, numel)
+
+
+def round_trip(x: torch.Tensor, codec, block: int = 256, seed: Optional[int] = None) -> torch.Tensor:
     """What a peer decodes from this rank's ``x``."""
-    return decode(encode(x, codec, block), codec, x.numel(), block)
+    c = Codec.of(codec, block)
+    return c.decode(c.encode(x, seed), x.numel())
 
 
-def start_mean(comm: Comm, x: torch.Tensor, codec: str, block: int, proof: torch.Tensor, group=None,
+def start_mean(comm: Comm, x: torch.Tensor, codec, block: int, proof: torch.Tensor, group=None,
                tag: str = "sync", sent: Optional[torch.Tensor] = None, packed: Optional[torch.Tensor] = None) -> Work:
     """Start averaging ``x`` (flat fp32) and ``proof`` (float32) over ``group`` in one collective; the
     returned :class:`Work`'s ``wait()`` gives ``(mean, mean_proof)``.
 
-    ``fp32``: one allreduce.  ``bf16`` / ``int8``: one allgather of the packed bytes; every rank decodes
+    ``fp32``: one allreduce.  Other codecs: one allgather of the packed bytes; every rank decodes
     and sums in rank order (identical results everywhere).  ``sent``: this rank's encoded bytes when the
     caller already made them (error feedback needs them too).  ``packed`` (fp32): a buffer the caller
     reuses across syncs, holding ``proof`` then ``x`` already (``x`` a view of it), reduced in place; without
     it the collective works on its own copy, and ``x`` may change after the call.
     """
+    codec = Codec.of(codec, block)
     size = comm.size if group is None else group.size
-    if codec == "fp32":
+    if codec.name == "fp32":
         both = packed if packed is not None else torch.cat([proof.to(x.device), x])
         work = comm.allreduce([both], op="mean", group=group, tag=tag, async_op=True)
         return work.then(lambda out: (out[0][proof.numel():], out[0][: proof.numel()]))
-    body = sent if sent is not None else encode(x, codec, block)
-    packed = torch.cat([proof.to(x.device).contiguous().view(torch.uint8), body])
-    work = comm.allgather(packed, group=group, tag=tag, async_op=True)
+    body = sent if sent is not None else codec.encode(x)
+    packed_bytes = torch.cat([proof.to(x.device).contiguous().view(torch.uint8), body])
+    work = comm.allgather(packed_bytes, group=group, tag=tag, async_op=True)
     numel, device, head = x.numel(), x.device, 4 * proof.numel()
 
     def decode_all(chunks):
@@ -110,8 +236,34 @@ def start_mean(comm: Comm, x: torch.Tensor, codec: str, block: int, proof: torch
         proofs = torch.zeros_like(proof, dtype=torch.float32)
         for chunk in chunks:
             proofs += chunk[:head].clone().view(torch.float32).to(proofs.device)
-            total += decode(chunk[head:].clone(), codec, numel, block)
+            total += codec.decode(chunk[head:].clone(), numel)
         return total / size, proofs / size
 
     return work.then(decode_all)
 
+
+class PayloadFields(HookConfig):
+    """The keys of a compressed sync, declared once for every algorithm that sends one (a config base class)."""
+
+    payload: Literal["fp32", "bf16", "int8", "int4", "int2", "topk"] = Field("fp32", description=(
+        "how the sync sends the pseudo-gradient: fp32 (exact), bf16 (2 bytes/element), int8 / int4 / int2 (8, 4, 2 "
+        "bits per element, packed, + one fp32 scale per payload_block elements; int2 is ternary), topk (the "
+        "largest topk_density of each topk_chunk, as 2-byte indices + values); anything but fp32 travels by "
+        "allgather"))
+    payload_block: Annotated[int, Field(ge=8, description=(
+        "int8/int4/int2: elements per scale (error per element <= absmax of its block / (2q), q = 127, 7, 1)"))] = 256
+    payload_rounding: Literal["nearest", "stochastic"] = Field("nearest", description=(
+        "int8/int4/int2 (and topk's values): round to nearest, or stochastically (unbiased; its random numbers "
+        "seeded by the rank and the step, so a resume draws the same)"))
+    topk_density: Annotated[float, Field(gt=0.0, le=1.0, description=(
+        "topk: the share of each chunk sent (SparseLoCo: 0.01-0.03); pair it with error_feedback"))] = 0.01
+    topk_chunk: Annotated[int, Field(ge=16, le=65536, description=(
+        "topk: elements per chunk, each chunk sending its own largest (indices are 2 bytes)"))] = 4096
+    topk_values: Literal["fp32", "bf16", "int8", "int4", "int2"] = Field("fp32", description=(
+        "topk: how the chosen values travel (int codecs: one scale per chunk)"))
+
+    @property
+    def codec(self) -> "Codec":
+        """The payload's :class:`Codec`."""
+        return Codec(self.payload, self.payload_block, self.payload_rounding, self.topk_density, self.topk_chunk,
+                     self.topk_values)

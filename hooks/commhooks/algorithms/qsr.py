@@ -57,11 +57,12 @@ from . import replicas
 from ..config import ConfigError
 from .base import AlgorithmState, user_stacklevel
 from .outer import OuterSync
+from .payload import PayloadFields
 from .streaming import StreamedSyncs, send_points, split_views
 from .rule import QuadraticRuleFields, rule_period
 
 
-class QSRConfig(QuadraticRuleFields):
+class QSRConfig(QuadraticRuleFields, PayloadFields):
     """Local SGD / local AdamW synchronised by the Quadratic Synchronisation Rule.
 
     After a sync, the next round lasts
@@ -115,11 +116,10 @@ class QSRConfig(QuadraticRuleFields):
     outer_momentum: Annotated[float, Field(ge=0.0, lt=1.0, description=(
         "momentum of the outer step (DiLoCo: 0.9); 0 = none"))] = 0.0
     outer_nesterov: bool = Field(True, description="Nesterov momentum in the outer step (DiLoCo's choice)")
-    payload: Literal["fp32", "bf16", "int8"] = Field("fp32", description=(
-        "how the sync sends the pseudo-gradient: fp32 (exact), bf16 (2 bytes/element), int8 (1 byte/element + "
-        "one fp32 scale per payload_block elements); anything but fp32 travels by allgather"))
-    payload_block: Annotated[int, Field(ge=8, description=(
-        "int8: elements per scale (error per element <= absmax of its block / 254)"))] = 256
+    outer_normalize: Literal["none", "lr_sum"] = Field("none", description=(
+        "lr_sum: the outer momentum sees the pseudo-gradient divided by the inner lr summed over its round (a "
+        "long late round and a short early one on one scale, as QSR's periods change), the step scaled back; "
+        "none: DiLoCo's outer step"))
     error_feedback: bool = Field(False, description=(
         "add what the payload codec lost at a sync to the next sync's pseudo-gradient"))
     overlap_steps: Annotated[int, Field(ge=0, description=(
@@ -143,7 +143,7 @@ class QSRConfig(QuadraticRuleFields):
     def pseudo_gradient(self) -> bool:
         """True when a sync is an outer step on the pseudo-gradient (outer optimizer or compressed payload)."""
         return (self.outer_lr != 1.0 or self.outer_momentum != 0.0 or self.payload != "fp32"
-                or self.overlap_steps > 0 or self.fragments > 1)
+                or self.overlap_steps > 0 or self.fragments > 1 or self.outer_normalize != "none")
 
     @property
     def warmup_h(self) -> int:
@@ -216,10 +216,11 @@ class QSRState(AlgorithmState):
         self._check_hierarchical()
         self.outer = StreamedSyncs(
             [t.numel() for t in self._sync_tensors()], c.fragments,
-            lambda: OuterSync(c.outer_lr, c.outer_momentum, c.outer_nesterov, c.payload, c.payload_block,
+            lambda: OuterSync(c.outer_lr, c.outer_momentum, c.outer_nesterov, c.codec, c.payload_block,
                               c.error_feedback, keep_sent_from=c.overlap_steps > 0),
             c.overlap_merge, c.overlap_alpha) if c.pseudo_gradient else None
         self.streaming = c.overlap_steps > 0 or c.fragments > 1  # rounds that do not end with identical weights
+        self._lr_sums = [0.0] * c.fragments
         self._complete_at: Optional[int] = None  # last step after which every rank held the same weights
         self._check_streaming()
         if self.engine.buffers_synced_each_forward and float_buffers(self.module):
@@ -315,6 +316,8 @@ class QSRState(AlgorithmState):
             self.tensors_changed()
         lr = self.lr()
         self._check_lr(lr)
+        if self.outer is not None:  # the inner lr summed since each fragment was last sent (outer_normalize)
+            self._lr_sums = [s + lr for s in self._lr_sums]
         if self.H is None:  # a round starts: its period from the lr of its first step (agreed inside Join)
             self.H = self.agree_on_period(qsr_period(self.step, lr, self.config))
 
@@ -428,9 +431,11 @@ class QSRState(AlgorithmState):
         apply_at = self.step if blocking else self.step + self.config.overlap_steps
         if self.config.total_steps is not None:
             apply_at = min(apply_at, max(self.step, self.config.total_steps))
+        scale = self._lr_sums[k] if self.config.outer_normalize == "lr_sum" and self._lr_sums[k] > 0 else 1.0
+        self._lr_sums[k] = 0.0
         with self.collective_context():
             self.outer.send(k, self.comm, self._sync_tensors(), self.step_proof(), self.step, apply_at,
-                            group=self.shards, tag="sync")
+                            group=self.shards, tag="sync", seed=self.rounding_seed(), scale=scale)
         if apply_at <= self.step:
             self._apply_fragment(k)
 
@@ -469,7 +474,8 @@ class QSRState(AlgorithmState):
         return self.outer.anchors() + [(n, t) for n, t in self.sync_named() if id(t) not in own]
 
     def algorithm_state_dict(self) -> dict:
-        state = {"since_sync": self.since_sync, "H": self.H, "complete_at": self._complete_at}
+        state = {"since_sync": self.since_sync, "H": self.H, "complete_at": self._complete_at,
+                 "lr_sums": list(self._lr_sums)}
         if self.outer is not None:
             state["outer"] = self.outer.state_dict()
         return state
@@ -478,6 +484,8 @@ class QSRState(AlgorithmState):
         self.since_sync = int(state["since_sync"])
         self.H = None if state["H"] is None else int(state["H"])
         self._complete_at = state.get("complete_at")
+        if "lr_sums" in state and len(state["lr_sums"]) == len(self._lr_sums):
+            self._lr_sums = [float(v) for v in state["lr_sums"]]
         if self.outer is not None:
             self.outer.load_state_dict(state["outer"])
 
@@ -500,8 +508,7 @@ class QSRState(AlgorithmState):
 
             size = self.comm.size if self.shards is None else self.shards.size
             numels = [sum(b - a for _, a, b in self.outer.fragments[k]) for k in self.outer.in_flight]
-            out["in_flight"] = sum(size * (STEP_PROOF_BYTES + payload_nbytes(n, self.config.payload,
-                                                                             self.config.payload_block)) + 4 * n
+            out["in_flight"] = sum(size * (STEP_PROOF_BYTES + payload_nbytes(n, self.config.codec)) + 4 * n
                                    for n in numels)
         return out
 

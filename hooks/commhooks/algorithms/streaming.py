@@ -103,6 +103,7 @@ class InFlight:
     apply_at: int
     sent_from: Optional[torch.Tensor]  # the fragment's weights when it was sent (flat fp32; None: blocking)
     work: Work  # wait() gives (mean pseudo-gradient, mean proof), once waited kept
+    scale: float = 1.0  # outer_normalize="lr_sum": the inner lr summed over the round it closes
 
 
 class StreamedSyncs:
@@ -129,12 +130,13 @@ class StreamedSyncs:
             outer.take_anchor(comm, self.tensors(k, tensors), group=group)
 
     def send(self, k: int, comm: Comm, tensors: Sequence[torch.Tensor], proof: torch.Tensor, step: int,
-             apply_at: int, group=None, tag: str = "sync") -> None:
+             apply_at: int, group=None, tag: str = "sync", seed: Optional[int] = None, scale: float = 1.0) -> None:
         """Start fragment ``k``'s sync (none of ``k`` may be in flight)."""
         assert k not in self.in_flight, f"fragment {k} is already in flight"
         work, sent_from = self.outers[k].send(comm, self.tensors(k, tensors), proof, group=group,
-                                              tag=tag if len(self.outers) == 1 else f"{tag}-f{k}")
-        self.in_flight[k] = InFlight(step, apply_at, sent_from, work)
+                                              tag=tag if len(self.outers) == 1 else f"{tag}-f{k}",
+                                              seed=None if seed is None else seed * 64 + k)
+        self.in_flight[k] = InFlight(step, apply_at, sent_from, work, scale)
 
     def due(self, step: int) -> List[int]:
         """Fragments whose sync applies at or before ``step`` (in fragment order)."""
@@ -147,7 +149,7 @@ class StreamedSyncs:
         flight = self.in_flight.pop(k)
         mean, proofs = flight.work.wait()
         sent_from = flight.sent_from if step > flight.sent_at else None  # (None too when not kept: blocking)
-        self.outers[k].apply(mean, self.tensors(k, tensors), sent_from, self.merge, self.alpha)
+        self.outers[k].apply(mean, self.tensors(k, tensors), sent_from, self.merge, self.alpha, flight.scale)
         return proofs, flight.sent_at
 
     def anchors(self) -> List[Tuple[str, torch.Tensor]]:
@@ -160,7 +162,7 @@ class StreamedSyncs:
         flights = {}
         for k, f in self.in_flight.items():
             mean, proofs = f.work.wait()
-            flights[k] = {"sent_at": f.sent_at, "apply_at": f.apply_at,
+            flights[k] = {"sent_at": f.sent_at, "apply_at": f.apply_at, "scale": f.scale,
                           "sent_from": None if f.sent_from is None else f.sent_from.clone(),
                           "mean": mean.clone(), "proofs": proofs.clone()}
         return {"outers": [o.state_dict() for o in self.outers], "in_flight": flights}
@@ -180,5 +182,6 @@ class StreamedSyncs:
             outer.load_state_dict(saved)
         self.in_flight = {int(k): InFlight(int(f["sent_at"]), int(f["apply_at"]),
                                            None if f["sent_from"] is None else f["sent_from"].clone(),
-                                           Work(lambda r=(f["mean"].clone(), f["proofs"].clone()): r))
+                                           Work(lambda r=(f["mean"].clone(), f["proofs"].clone()): r),
+                                           float(f.get("scale", 1.0)))
                           for k, f in state["in_flight"].items()}

@@ -8,10 +8,11 @@ from pydantic import Field, model_validator
 from typing_extensions import Annotated
 
 from ...config import ConfigError
+from ..payload import PayloadFields
 from ..rule import QuadraticRuleFields
 
 
-class ABConfig(QuadraticRuleFields):
+class ABConfig(QuadraticRuleFields, PayloadFields):
     """AB-training: low-rank factors trained by independent groups, averaged periodically.
 
     Coquelin et al., arXiv 2405.01067.  Defaults are the paper's VGG16 /
@@ -71,11 +72,6 @@ class ABConfig(QuadraticRuleFields):
         "with sync_rule 'qsr': shortest sync-to-sync period (null = sync_period)"))] = None
     local_group_steps: bool = Field(False, description=(
         "AB steps send nothing inside the group either (each rank trains its factor locally until the sync)"))
-    payload: Literal["fp32", "bf16", "int8"] = Field("fp32", description=(
-        "how the world sync sends what it averages: fp32 = the tensors themselves; bf16 / int8 = each rank's "
-        "change since its AB phase began (identical on every rank then), compressed, by allgather"))
-    payload_block: Annotated[int, Field(ge=8, description=(
-        "int8: elements per scale (error per element <= absmax of its block / 254)"))] = 256
 
     @model_validator(mode="after")
     def _consistent(self) -> "ABConfig":

@@ -237,11 +237,11 @@ class ABState(AlgorithmState):
         """The world mean of ``tensors`` as the phase's start minus the mean of the ranks' changes since then,
         the changes sent compressed (``payload``) with the step proof: an outer step of lr 1 without momentum
         from the phase's start (:class:`~commhooks.algorithms.outer.OuterSync`)."""
-        outer = OuterSync(1.0, 0.0, False, self.config.payload, self.config.payload_block, error_feedback=False,
+        outer = OuterSync(1.0, 0.0, False, self.config.codec, self.config.payload_block, error_feedback=False,
                           keep_sent_from=False)
         outer.anchor = self.entry
         with self.collective_context():
-            proofs = outer.sync(self.comm, tensors, self.step_proof(), tag="sync")
+            proofs = outer.sync(self.comm, tensors, self.step_proof(), tag="sync", seed=self.rounding_seed())
         self.check_proof(proofs, None, "sync")
 
     def parameters_added(self, new) -> None:
