@@ -196,7 +196,8 @@ def method_traffic(method: str, shapes: Shapes, schedule: Schedule, group_size: 
         averages = math.ceil((steps - start) / 8)
         return Traffic(allreduce=(start * 4 * n + averages * 4 * n) / steps, calls=(start + averages) / steps)
     configs = {"qsr": "qsr_mnist1d", "qsr-int8": "qsr_int8_mnist1d", "qsr-diloco-int8": "qsr_diloco_int8_mnist1d",
-               "diloco-h20": "diloco_mnist1d"}
+               "diloco-h20": "diloco_mnist1d", "qsr-diloco-int4": "qsr_diloco_int4_mnist1d",
+               "qsr-diloco-int2": "qsr_diloco_int2_mnist1d", "qsr-diloco-topk": "qsr_diloco_topk_mnist1d"}
     if method in configs:
         from ..algorithms import payload
 
@@ -205,7 +206,9 @@ def method_traffic(method: str, shapes: Shapes, schedule: Schedule, group_size: 
         codec = conf.get("payload", "fp32")
         outer = codec != "fp32" or conf.get("outer_lr", 1.0) != 1.0 or conf.get("outer_momentum", 0.0) != 0.0
         shard = math.ceil(n / group_size)
-        body = proof + payload.payload_nbytes(shard, codec, conf.get("payload_block", 256))
+        body = proof + payload.Codec(codec, conf.get("payload_block", 256), conf.get("payload_rounding", "nearest"),
+                                     conf.get("topk_density", 0.01), conf.get("topk_chunk", 4096),
+                                     conf.get("topk_values", "fp32")).nbytes(shard)
         t = Traffic(calls=syncs / steps, sharded=group_size > 1)
         if group_size > 1:
             t.allreduce_intra = 4 * n  # the engine's data parallelism inside the node, every step
@@ -221,7 +224,8 @@ def method_traffic(method: str, shapes: Shapes, schedule: Schedule, group_size: 
 
 
 FORMULA_METHODS = ("ddp", "fp16", "powersgd-r1", "powersgd-r4", "local-sgd-h8", "qsr", "qsr-int8",
-                   "qsr-diloco-int8", "diloco-h20", "compute-only")
+                   "qsr-diloco-int8", "qsr-diloco-int4", "qsr-diloco-int2", "qsr-diloco-topk", "diloco-h20",
+                   "compute-only")
 
 
 # ----------------------------------------------------------------------------- time
