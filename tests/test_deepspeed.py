@@ -165,6 +165,9 @@ def test_replica_groups_under_deepspeed_bf16_zero(tmp_path):
     assert all(len(s) == 16 for s in seen) and sorted(sum(seen, [])) == list(range(64)), seen
     for res in runs:  # exact resume from DeepSpeed's checkpoint plus the hook's state, mid-round
         assert torch.equal(res["resume"]["straight"], res["resume"]["resumed"])
+    for res in runs:  # one rank's NaN: every rank refuses the engine's save, nothing is written, no rank waits
+        assert res["nan_save"].startswith("NonFiniteError: NaN or Inf gradient on 1 rank(s)"), res["nan_save"]
+    assert not (tmp_path / "nan").exists()
 
 
 def test_zero3_config_error_on_every_rank_without_hang(tmp_path):

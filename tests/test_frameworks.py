@@ -85,6 +85,9 @@ def test_accelerate(tmp_path):
     identical(qsr, 12)
     nan, _ = torchrun("accelerate_run.py", tmp_path / "nan", "--hook", "qsr", "--nan-at", "4", env=CPU)
     nan_named_everywhere(nan, 4)
+    none, _ = torchrun("accelerate_run.py", tmp_path / "none", "--hook", "none", "--steps", "4", "--save-at", "2",
+                       env=CPU)  # {"type": "none"}: the same loop (with state:, save_state) on Accelerate's own DDP
+    assert "error" not in none[0] and "error" not in none[1] and none[0]["checksum"] == none[1]["checksum"], none
 
 
 # --------------------------------------------------------------------------

@@ -173,3 +173,95 @@ def _ddp_join_idiom(rank, world):
 def test_ddp_join_idiom_includes_the_state():
     (c0, s0), (c1, s1) = run_ranks(_ddp_join_idiom, 2, timeout=120)
     assert c0 == c1 and s0 == s1 == 10, (c0, c1, s0, s1)
+
+
+# --------------------------------------------------------------------------
+# Join contexts, per epoch and at an uneven end; layers DDP never saw; sparse gradients
+# --------------------------------------------------------------------------
+
+
+class Spare(Body):
+    """Body with a layer the forward never uses (``spare``): trainable, but no rank ever has its gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Linear(3, 3)
+
+
+def _loop(net, opts, state, batches, rank, epochs=1, join_each_epoch=False, unfreeze_at=None, offset=0):
+    step = 0
+    for _ in range(epochs):
+        context = net.join() if join_each_epoch else torch.enable_grad()
+        with context:
+            for _ in range(batches):
+                if step == unfreeze_at:
+                    for p in list(net.module.emb.parameters()) + list(net.module.spare.parameters()):
+                        p.requires_grad_(True)
+                ids, y = _tokens(step + offset, rank)
+                for opt in opts:
+                    opt.zero_grad()
+                F.cross_entropy(net(ids), y).backward()
+                for opt in opts:
+                    opt.step()
+                step += 1
+
+
+def _epochs(rank, conf, join_each_epoch):
+    """3 epochs of 5 even steps, inside `with state:`; `with ddp_model.join():` around each epoch or not."""
+    net = DDP(Body(), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    state = commhooks.ddp.register(net, opt, conf)
+    with state:
+        _loop(net, [opt], state, 5, rank, epochs=3, join_each_epoch=join_each_epoch)
+    return float(sum(p.detach().double().sum() for p in net.module.parameters())), state.syncs
+
+
+def _join_scenarios(rank, world):
+    out = {}
+    for name, conf in (("qsr", QSR), ("ab-warmup", {**AB, "warmup_steps": 40})):
+        out[name] = {"plain": _epochs(rank, conf, False), "join-per-epoch": _epochs(rank, conf, True)}
+    # uneven inputs under Join while a layer unfrozen after DDP was built (a stray) is reduced by the state:
+    # the joined rank sends zeros for it, so the collectives pair up; `spare` has no gradient on any rank
+    model = Spare()
+    for p in list(model.emb.parameters()) + list(model.spare.parameters()):
+        p.requires_grad_(False)
+    net = DDP(model, forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.module.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    state = commhooks.ddp.register(net, opt, {**AB, "warmup_steps": 40, "total_steps": 8, "timeout_s": 30})
+    spare0 = net.module.spare.weight.detach().clone()
+    with net.join():
+        _loop(net, [opt], state, 8 if rank == 0 else 6, rank, unfreeze_at=2)
+    out["uneven-strays"] = {"checksum": float(sum(p.detach().double().sum() for p in net.module.parameters())),
+                            "step": state.step, "spare_unchanged": torch.equal(spare0, net.module.spare.weight),
+                            "spare_grad": net.module.spare.weight.grad is None}
+    # sparse gradients: QSR (local steps, nothing reduced) takes them; AB, which averages gradients, names the layer
+    for name, conf in (("qsr-sparse", {**QSR, "total_steps": 6}), ("ab-sparse", AB)):
+        body = Body()
+        body.emb = nn.Embedding(10, 12, sparse=True)
+        net = DDP(body, forward_sync_buffers=False)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        state = commhooks.ddp.register(net, opt, conf)
+        try:
+            for step in range(6):
+                ids, y = _tokens(step, rank)
+                opt.zero_grad()
+                F.cross_entropy(net(ids), y).backward()
+                opt.step()
+            out[name] = float(sum(p.detach().double().sum() for p in net.module.parameters()))
+        except commhooks.ConfigError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_join_contexts_strays_and_sparse_gradients():
+    r0, r1 = run_ranks(_join_scenarios, 2, timeout=240)
+    for name in ("qsr", "ab-warmup"):  # a per-epoch join on even shards leaves the schedule (and AB's optimizer) be
+        assert r0[name]["plain"] == r0[name]["join-per-epoch"] == r1[name]["join-per-epoch"], (name, r0[name], r1[name])
+    assert r0["qsr"]["plain"][1] == 4, r0["qsr"]  # syncs at 4, 8, 12 and the end (15), none at the epochs' ends
+    for r in (r0, r1):
+        u = r["uneven-strays"]
+        assert u["step"] == 8 and u["spare_unchanged"] and u["spare_grad"], u
+    assert r0["uneven-strays"]["checksum"] == r1["uneven-strays"]["checksum"]
+    assert isinstance(r0["qsr-sparse"], float) and r0["qsr-sparse"] == r1["qsr-sparse"]
+    for r in (r0, r1):
+        assert "emb.weight" in r["ab-sparse"] and "sparse=False" in r["ab-sparse"], r["ab-sparse"]

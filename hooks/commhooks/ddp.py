@@ -86,6 +86,17 @@ class AllreduceState:
     def meter(self):
         return self.comm.meter
 
+    # every rank holds the same model after each step: the run's end needs nothing (the same calls as the
+    # algorithms' states, so a loop written for them runs with {"type": "none"} unchanged)
+    def __enter__(self) -> "AllreduceState":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return False
+
+    def finish(self) -> None:
+        """Nothing to land: DDP's allreduce leaves every rank with the same model."""
+
 
 def allreduce_hook(state: AllreduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's default gradient averaging, through :class:`Comm` so the bytes are metered.
@@ -110,7 +121,13 @@ def _check_ddp(ddp_model) -> None:
 
 def _join_includes(ddp_model, state) -> None:
     """Make PyTorch's own idiom ``with ddp_model.join():`` include the state (as ``Join([ddp_model, state])``):
-    a rank out of data then shadows the syncs too, instead of leaving the others' collectives unpaired."""
+    a rank out of data then shadows the syncs too, instead of leaving the others' collectives unpaired.
+
+    And end a Join context with the state first: DDP's own Join post-hook broadcasts the last joiner's model to
+    every rank (DDP's ranks agree anyway).  Between syncs each rank's model is its own, so that broadcast would
+    throw away the other ranks' progress since the last sync, at every per-epoch ``with ddp_model.join():``.
+    The state ends the context first (a sync if a rank ran out of data early); DDP's broadcast then runs only
+    when the ranks agree (a no-op), and is skipped while a round is open."""
     from torch.distributed.algorithms.join import Join
 
     def join(divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False):
@@ -118,6 +135,24 @@ def _join_includes(ddp_model, state) -> None:
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     ddp_model.join = join  # an instance attribute: this model only
+    ddp_hook = ddp_model.join_hook
+    ddp_model.join_hook = lambda **kwargs: _StateEndsJoinFirst(ddp_hook(**kwargs), state)
+
+
+class _StateEndsJoinFirst:
+    """DDP's join hook, with the state's end of the context run before DDP's final broadcast."""
+
+    def __init__(self, ddp_hook, state):
+        self.ddp_hook, self.state = ddp_hook, state
+
+    def main_hook(self) -> None:
+        self.ddp_hook.main_hook()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.state.end_join()
+        self.state.join_ended_by_engine = True  # the state's own post-hook, next, has nothing left to do
+        if self.state.in_sync_at() == self.state.step:  # the same on every rank: all broadcast, or none
+            self.ddp_hook.post_hook(is_last_joiner)
 
 
 def register(ddp_model, optimizer, config, process_group=None, scaler=None):

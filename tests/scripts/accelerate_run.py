@@ -20,7 +20,7 @@ p.add_argument("--save-at", type=int, default=0)
 p.add_argument("--resume-from")
 args = p.parse_args()
 
-CONFIGS = configs(total_steps=args.steps)
+CONFIGS = {**configs(total_steps=args.steps), "none": {"type": "none"}}  # none: Accelerate's DDP, metered
 
 
 def batch(step, micro, rank):
@@ -76,16 +76,16 @@ first = 0
 try:
     if not args.plain and args.resume_from:
         accelerator.load_state(args.resume_from)
-    first = state.step
+    first = getattr(state, "step", 0)
     with state:
         for step in range(first, args.steps):
             train_step(step)
-            if args.save_at and state.step == args.save_at and not args.plain:
+            if args.save_at and step + 1 == args.save_at and not args.plain:
                 accelerator.save_state(os.path.join(args.out, "ckpt"))
 except Exception as exc:  # noqa: BLE001 - reported to the test
     result["error"] = f"{type(exc).__name__}: {exc}"
 result.update(rank=rank, checksum=float(sum(p.detach().double().sum() for p in model.parameters())),
               first=[float(v) for v in next(model.parameters()).detach().flatten()[:6]],
-              step=state.step, syncs=state.syncs)
+              step=getattr(state, "step", None), syncs=getattr(state, "syncs", None))
 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fd:
     json.dump(result, fd)

@@ -132,5 +132,14 @@ straight = run("bf16", 2, 12, QSR)
 resumed = run("bf16", 2, 12, QSR, resume_at=7, ckpt=f"{args.out}/ckpt")
 result["resume"] = {"straight": straight["final"], "resumed": resumed["final"],
                     "sync_steps": (straight["sync_steps"], resumed["sync_steps"])}
+# a NaN gradient seen on one rank only (its NaN guard's record, as its observe() writes it at a step): the engine's
+# own collective save_checkpoint is refused on every rank together, before anything is written
+if rank == 3:
+    engine.comm_hook_state._guard.observe([(0, torch.full((4,), float("nan")))], 0)
+try:
+    engine.save_checkpoint(f"{args.out}/nan")
+    result["nan_save"] = "written"
+except Exception as exc:  # noqa: BLE001 - reported to the test
+    result["nan_save"] = f"{type(exc).__name__}: {exc}"
 torch.save(result, f"{args.out}/rank{rank}.pt")
 shutdown()

@@ -11,7 +11,7 @@ def parser(steps_flag: str = "--max-steps") -> argparse.ArgumentParser:
     """The options every framework script takes; each adds its own."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--hook", default="qsr", choices=("qsr", "ab"))
+    p.add_argument("--hook", default="qsr", choices=("qsr", "ab", "none"))
     p.add_argument("--accum", type=int, default=1)
     p.add_argument(steps_flag, type=int, default=12)
     p.add_argument("--nan-at", type=int, default=-1, help="NaN gradients on rank 0 at this optimizer step")

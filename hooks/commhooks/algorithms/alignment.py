@@ -175,4 +175,7 @@ class ShadowJoinHook:
         self.state.shadow_step()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        self.state.final_sync()
+        if self.state.join_ended_by_engine:  # the engine's hook ended it first (DDP: before its broadcast)
+            self.state.join_ended_by_engine = False
+            return
+        self.state.end_join()

@@ -249,6 +249,7 @@ class AlgorithmState:
         self.skipped_steps = 0
         self.sync_steps: List[int] = []  # optimizer steps after which a sync happened (this process)
         self.joined = False  # True while this rank shadows the others inside a Join context
+        self.join_ended_by_engine = False  # an engine's Join hook ran end_join already (DDP's, before its broadcast)
         self.scaler = None  # a torch.amp.GradScaler whose scale the syncs keep equal (use_scaler)
         self._last_scale: Optional[torch.Tensor] = None  # the scale a GradScaler handed to the last step (device)
         self._warned_scales = False
@@ -419,29 +420,57 @@ class AlgorithmState:
                       flat: Optional[torch.Tensor] = None) -> Work:
         """What engines call with each bucket of gradients: :meth:`reduce_gradients`, noting which parameters
         the engine handed over this step."""
+        if flat is not None and flat.layout != torch.strided:  # DDP hands a sparse gradient over as the buffer
+            sparse = [self._name_of.get(id(p), "?") for p in params]
+        else:
+            sparse = [self._name_of.get(id(p), "?") for g, p in zip(grads, params) if g.layout != torch.strided]
+        if sparse:
+            from ..config import ConfigError
+
+            raise ConfigError(
+                f"{self.display_name} averages gradients here and {', '.join(sparse)} has a sparse one "
+                "(nn.Embedding(sparse=True)?), which it cannot send. Build the layer with sparse=False; QSR without "
+                "replica groups sends no gradients and takes sparse ones")
         self._reduced.update(map(id, params))
         return self.reduce_gradients(grads, params, flat)
 
-    def _reduce_strays(self) -> None:
+    def _reduce_strays(self, shadow: bool = False) -> None:
         """Reduce, as :meth:`reduce_gradients` would, the gradients of trainable parameters the engine did not
         hand over this step (DDP builds its buckets once: a layer unfrozen later is never in one), so the ranks
         do not drift apart where the algorithm keeps them together.  Only when the engine reduced something
-        this step (it hands gradients over); a missing gradient counts as zero, so every rank sends the same."""
+        this step (it hands gradients over); a missing gradient counts as zero, so every rank sends the same.
+        ``shadow``: a joined rank's part (zeros, its gradients untouched), so the collectives pair up.
+
+        A parameter no rank had a gradient for keeps none, so its optimizer leaves it alone as DDP leaves an
+        unused parameter (a one-flag-per-stray allreduce and one host read per step while strays exist; rebuild
+        DDP after unfreezing to have none)."""
         if not self._reduced:
             return
         strays = [p for p in self._trainable() if id(p) not in self._reduced]
         self._reduced = set()
         if not strays:
             return
-        for p in strays:
-            if p.grad is None:
+        had = torch.tensor([0.0 if shadow or p.grad is None else 1.0 for p in strays], device=self.device)
+        if shadow:
+            grads = [torch.zeros_like(p) for p in strays]
+            missing = []
+        else:
+            missing = [p for p in strays if p.grad is None]
+            for p in missing:
                 p.grad = torch.zeros_like(p)
-        by_kind: Dict[tuple, List[torch.Tensor]] = {}
-        for p in strays:
-            by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+            grads = [p.grad for p in strays]
+        by_kind: Dict[tuple, List[int]] = {}
+        for i, g in enumerate(grads):
+            by_kind.setdefault((g.dtype, g.device), []).append(i)
         with self.collective_context():
             for same in by_kind.values():
-                self.reduce_gradients([p.grad for p in same], same).wait()
+                self.reduce_gradients([grads[i] for i in same], [strays[i] for i in same]).wait()
+            self.comm.allreduce([had], op="max", tag="strays", metered=False)  # did any rank have a gradient?
+        if missing:
+            anyone = dict(zip(map(id, strays), had.tolist()))
+            for p in missing:
+                if not anyone[id(p)]:
+                    p.grad = None
 
     def _trainable(self) -> List[torch.Tensor]:
         """Every parameter a step may change now: the module's trainable ones and every optimizer's."""
@@ -552,6 +581,17 @@ class AlgorithmState:
             f"NaN or Inf gradient on {ranks} rank(s) since the last sync, found at the {self.display_name} {where}: "
             f"{self._guard.message(self.comm.rank)} (nonfinite='raise' checks on the device and reads the record at "
             "each sync and checkpoint; set nonfinite='skip' to skip such steps instead)")
+
+    def refuse_nonfinite_everywhere(self, where: str) -> None:
+        """Raise NonFiniteError on every rank if any rank saw a NaN/Inf gradient under ``nonfinite="raise"``
+        (one flag allreduce and a host read): before an engine's own collective checkpoint, where one rank
+        refusing alone would leave the others waiting."""
+        flag = self._guard.indicator(self.device)
+        if self.comm.size > 1:
+            self.comm.allreduce([flag], op="sum", tag="check", metered=False)
+        ranks = int(flag.item())
+        if ranks:
+            self._raise_nonfinite(ranks, where)
 
     def nonfinite_seen(self) -> bool:
         """Whether this rank saw a NaN/Inf gradient under ``nonfinite="raise"`` (host read)."""
@@ -711,13 +751,28 @@ class AlgorithmState:
 
     def shadow_step(self) -> None:
         """One iteration of the others, on a rank that has run out of data: agree on periods, count the
-        step, take part in its sync or phase switch.  The optimizer makes no update."""
+        step, take part in its sync or phase switch (and, where the state reduces gradients, in the reduction
+        of gradients the engine did not hand over, with zeros).  The optimizer makes no update."""
         self.joined = True
+        if self.reduces_gradients:
+            self._reduce_strays(shadow=True)
         self.before_step()
         self.end_step()
 
+    def end_join(self) -> None:
+        """At the end of a Join context (every rank calls it): if some rank ran out of data early (uneven
+        inputs, a real end), sync the open round so every rank leaves with the same model.  If every rank
+        stepped to the end together (a per-epoch ``with ddp_model.join():`` on even shards) the schedule goes
+        on untouched: one flag allreduce, no sync.  The run's end is ``with state:`` / ``total_steps``."""
+        flag = torch.tensor([1.0 if self.joined else 0.0], device=self.device)
+        if self.comm.size > 1:
+            self.comm.allreduce([flag], op="max", tag="join", metered=False)
+        self.joined = False
+        if flag.item():
+            self.final_sync()
+
     def final_sync(self) -> None:
-        """At the end of a Join context (every rank calls it): sync if the last round was left open."""
+        """Sync if the last round was left open (the end of a run: :meth:`finish`, a Join with uneven inputs)."""
         self.joined = False
         if self.step and self.in_sync_at() != self.step:
             self.sync()
@@ -749,6 +804,7 @@ class AlgorithmState:
         """Restore :meth:`state_dict`; every tensor in it lands on the synced tensors' device first (a checkpoint
         is read onto the CPU, and may come from another device)."""
         state = tensors_to(state, self.device)
+        self._guard.clear()  # the weights loaded are those the checkpoint held, written only when finite
         self.step = int(state["step"])
         self.syncs = int(state.get("syncs", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))

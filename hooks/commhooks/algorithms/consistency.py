@@ -90,13 +90,27 @@ def nonfinite_anywhere(comm: Comm, named: Sequence[Tuple[str, torch.Tensor]], wh
         raise NonFiniteError(f"{when}: NaN or Inf in {', '.join(names[:20])} (on at least one rank)")
 
 
+def _values(g: torch.Tensor) -> torch.Tensor:
+    """The stored values of a gradient: a sparse one's (``nn.Embedding(sparse=True)``) as a dense 1-d tensor
+    (its implicit zeros are finite), a dense one as it is."""
+    if g.layout == torch.sparse_coo:
+        return g._values().reshape(-1)
+    if g.layout != torch.strided:  # CSR and friends
+        return g.values().reshape(-1)
+    return g
+
+
 def _max_abs(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """Each gradient's largest |element| in float32, fused per (device, dtype) (NaN if it holds a NaN);
     stacked on the first gradient's device.  No host read."""
+    grads = [_values(g) for g in grads]
     groups: Dict[tuple, List[int]] = defaultdict(list)
-    for i, g in enumerate(grads):
-        groups[(g.device, g.dtype)].append(i)
     out: List[torch.Tensor] = [grads[0]] * len(grads)  # every slot is filled below
+    for i, g in enumerate(grads):
+        if g.numel():
+            groups[(g.device, g.dtype)].append(i)
+        else:  # no element (a sparse gradient of an unused embedding): nothing non-finite
+            out[i] = torch.zeros((), dtype=torch.float32, device=g.device)
     for members in groups.values():
         norms = torch._foreach_norm([grads[i] for i in members], float("inf"), dtype=torch.float32)
         for i, n in zip(members, norms):
@@ -156,6 +170,11 @@ class NonfiniteGuard:
         if self.first is not None:
             pad = torch.full((len(names),), -1, dtype=torch.int64, device=self.first.device)
             self.first = torch.cat([self.first, pad])
+
+    def clear(self) -> None:
+        """Forget what was seen (a checkpoint was loaded: its weights were written only when finite)."""
+        if self.first is not None:
+            self.first.fill_(-1)
 
     def indicator(self, device: torch.device) -> torch.Tensor:
         """1.0 if a bad gradient was seen since the record was cleared, else 0.0 (float32, on ``device``)."""

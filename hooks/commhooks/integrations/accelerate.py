@@ -39,11 +39,13 @@ def register(accelerator, model, optimizer, config, scaler=None):
             "DistributedDataParallel (2 or more processes: accelerate launch --num_processes N, or "
             "ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N on CPUs)")
     state = ddp_adapter.register(ddp_model, optimizer, config, scaler=scaler)
+    if not hasattr(state, "state_dict"):  # {"type": "none"}: DDP's allreduce, the ranks never differ
+        return state
     module = ddp_model.module
     loading = {}
 
     def save_every_rank(models, weights, output_dir):
-        save_ranks(output_dir, module, state.optimizer, state, state.step)
+        save_ranks(output_dir, module, state.optimizers, state, state.step)
 
     def note_input_dir(models, input_dir):
         loading["dir"] = input_dir
@@ -54,7 +56,7 @@ def register(accelerator, model, optimizer, config, scaler=None):
 
     def load_state(*args, **kwargs):
         out = original_load(*args, **kwargs)  # rank 0's model and optimizer on every rank, the RNGs, the scheduler
-        load_ranks(loading["dir"], module, state.optimizer, state, None, "Accelerate")
+        load_ranks(loading["dir"], module, state.optimizers, state, None, "Accelerate")
         return out
 
     accelerator.load_state = load_state  # this accelerator only

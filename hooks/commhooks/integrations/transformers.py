@@ -68,7 +68,7 @@ class CommHookCallback(TrainerCallback):
                 "with torchrun / accelerate launch with 2 or more processes)")
         self.state = ddp_adapter.register(ddp_model, optimizer, self.config)
         if state.global_step > 0:  # resumed: the Trainer loaded rank 0's weights and optimizer on every rank
-            load_ranks(self._folder(args, state.global_step), model, self.state.optimizer, self.state,
+            load_ranks(self._folder(args, state.global_step), model, self.state.optimizers, self.state,
                        state.global_step, "Trainer")
 
     def _begin_deepspeed(self, args, state, model, filled):
@@ -93,7 +93,7 @@ class CommHookCallback(TrainerCallback):
             return
         if self._deepspeed is not None:
             return  # the Trainer's engine.save_checkpoint wrote every replica group and every rank's hook state
-        save_ranks(self._folder(args, state.global_step), model, self.state.optimizer, self.state, state.global_step)
+        save_ranks(self._folder(args, state.global_step), model, self.state.optimizers, self.state, state.global_step)
 
     # -------------------------------------------------------------------- end
     def on_train_end(self, args, state, control, **kwargs):

@@ -50,7 +50,7 @@ from ...comm import Work
 from ...comm.base import flatten
 from ...config import ConfigError
 from ..averaging import clear_optimizer_state
-from ..base import AlgorithmState, user_stacklevel
+from ..base import AlgorithmState, tensors_to, user_stacklevel
 from ..outer import OuterSync
 from . import transitions
 from .groups import make_groups
@@ -229,7 +229,8 @@ class ABState(AlgorithmState):
             self.average(tensors + buffers, tag="sync")
         write()
         self.entry = None
-        clear_optimizer_state(self.optimizer, self._param.values(), self.engine.master_slices)
+        if self.phase == AB:  # the factors' phase ends; a forced sync in warm-up or full rank keeps the state
+            clear_optimizer_state(self.optimizer, self._param.values(), self.engine.master_slices)
         self.bases = {}
         self.synced()
 
@@ -248,8 +249,12 @@ class ABState(AlgorithmState):
         """Parameters that became trainable or joined an optimizer: synced from now on, kept dense."""
         self._param.update(dict(new))
 
+    def in_sync_at(self) -> Optional[int]:
+        """Warm-up and full-rank steps average every gradient over the world: the ranks agree after each."""
+        return self.step if self.phase != AB and self.step else super().in_sync_at()
+
     def final_sync(self) -> None:
-        """End of a Join context: sync an open round; an AB phase then ends as at a scheduled sync."""
+        """The run's end: sync an open AB phase, which then ends as at a scheduled sync."""
         was_ab = self.phase == AB
         super().final_sync()
         if was_ab and self.sync_steps and self.sync_steps[-1] == self.step:
@@ -335,7 +340,8 @@ class ABState(AlgorithmState):
         self.clock = Clock(**state["clock"])
         self.last_switch = state["last_switch"]
         self.ranks = dict(state["ranks"])
-        self.bases = {n: Basis(**b) for n, b in state["bases"].items()}
+        # each layer's factors beside its weight (a model spread over devices keeps its layers where they are)
+        self.bases = {n: Basis(**tensors_to(b, self._param[n].device)) for n, b in state["bases"].items()}
         self.entry = None if state.get("entry") is None else state["entry"].clone()
 
     def __repr__(self) -> str:
