@@ -54,12 +54,15 @@ METHODS: Dict[str, List[str]] = {
     "qsr-int8": ["--config", "configs/qsr_int8_mnist1d.json"],  # int8 pseudo-gradient + error feedback
     "diloco-h20": ["--config", "configs/diloco_mnist1d.json"],  # DiLoCo's anchor: fixed period, Nesterov outer step
     "qsr-diloco-int8": ["--config", "configs/qsr_diloco_int8_mnist1d.json"],  # QSR periods, outer step, int8
-    # the same with fewer bits: int4 (block 128), int2 (ternary, block 64, stochastic rounding), top-k (2 % of
-    # each chunk, int4 values), all with error feedback; and int8 with the period-aware outer step
+    # the same in fp32; with fewer bits: int4 (block 128), int2 (ternary, block 64, stochastic rounding; and to
+    # nearest), top-k (2 % of each chunk, int4 values), all with error feedback; and with the period-aware outer step
+    "qsr-diloco": ["--config", "configs/qsr_diloco_mnist1d.json"],
     "qsr-diloco-int4": ["--config", "configs/qsr_diloco_int4_mnist1d.json"],
     "qsr-diloco-int2": ["--config", "configs/qsr_diloco_int2_mnist1d.json"],
+    "qsr-diloco-int2-nearest": ["--config", "configs/qsr_diloco_int2_nearest_mnist1d.json"],
     "qsr-diloco-topk": ["--config", "configs/qsr_diloco_topk_mnist1d.json"],
     "qsr-diloco-int8-lrsum": ["--config", "configs/qsr_diloco_int8_lrsum_mnist1d.json"],
+    "qsr-diloco-int4-lrsum": ["--config", "configs/qsr_diloco_int4_lrsum_mnist1d.json"],
     # the same, each sync landing 2 local steps after it is sent (Streaming DiLoCo's overlap)
     "qsr-diloco-int8-overlap": ["--config", "configs/qsr_diloco_int8_overlap_mnist1d.json"],
     # the same without the outer step: plain averaging of int8 changes, landing 2 steps after they are sent

@@ -197,7 +197,8 @@ def method_traffic(method: str, shapes: Shapes, schedule: Schedule, group_size: 
         return Traffic(allreduce=(start * 4 * n + averages * 4 * n) / steps, calls=(start + averages) / steps)
     configs = {"qsr": "qsr_mnist1d", "qsr-int8": "qsr_int8_mnist1d", "qsr-diloco-int8": "qsr_diloco_int8_mnist1d",
                "diloco-h20": "diloco_mnist1d", "qsr-diloco-int4": "qsr_diloco_int4_mnist1d",
-               "qsr-diloco-int2": "qsr_diloco_int2_mnist1d", "qsr-diloco-topk": "qsr_diloco_topk_mnist1d"}
+               "qsr-diloco-int2": "qsr_diloco_int2_mnist1d", "qsr-diloco-topk": "qsr_diloco_topk_mnist1d",
+               "qsr-diloco": "qsr_diloco_mnist1d", "qsr-diloco-int2-nearest": "qsr_diloco_int2_nearest_mnist1d"}
     if method in configs:
         from ..algorithms import payload
 
@@ -225,7 +226,7 @@ def method_traffic(method: str, shapes: Shapes, schedule: Schedule, group_size: 
 
 FORMULA_METHODS = ("ddp", "fp16", "powersgd-r1", "powersgd-r4", "local-sgd-h8", "qsr", "qsr-int8",
                    "qsr-diloco-int8", "qsr-diloco-int4", "qsr-diloco-int2", "qsr-diloco-topk", "diloco-h20",
-                   "compute-only")
+                   "qsr-diloco", "qsr-diloco-int2-nearest", "compute-only")
 
 
 # ----------------------------------------------------------------------------- time
