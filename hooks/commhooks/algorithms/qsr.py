@@ -58,7 +58,7 @@ from ..config import ConfigError
 from .base import AlgorithmState, user_stacklevel
 from .outer import OuterSync
 from .payload import PayloadFields
-from .streaming import StreamedSyncs, send_points, split_views
+from .pipeline import MeanSync, OuterSteps, RoundSchedule, SyncCover
 from .rule import QuadraticRuleFields, rule_period
 
 
@@ -210,17 +210,18 @@ class QSRState(AlgorithmState):
         self._previous_lr: Optional[float] = None
         self._warned = set()  # warnings given once: "rising"
         c = self.config
-        mine = self._mine()
-        self.member = mine.index(self.comm.rank)  # this rank's part of the parameters (hierarchical)
+        mine = self.replica_ranks[replicas.group_of(self.replica_ranks, self.comm.rank)]
         self.hierarchical = c.hierarchical and len(mine) > 1 and not self.engine.replica_data_parallel
-        self._check_hierarchical()
-        self.outer = StreamedSyncs(
-            [t.numel() for t in self._sync_tensors()], c.fragments,
-            lambda: OuterSync(c.outer_lr, c.outer_momentum, c.outer_nesterov, c.codec, c.payload_block,
-                              c.error_feedback, keep_sent_from=c.overlap_steps > 0),
-            c.overlap_merge, c.overlap_alpha) if c.pseudo_gradient else None
-        self.streaming = c.overlap_steps > 0 or c.fragments > 1  # rounds that do not end with identical weights
-        self._lr_sums = [0.0] * c.fragments
+        if self.hierarchical:
+            self._require_contiguous("qsr.hierarchical needs", "a rank's part", "hierarchical false")
+        self.cover = SyncCover(self._params, self._buffers, self._moments, mine, self.comm.rank, self.hierarchical)
+        streaming = c.overlap_steps > 0 or c.fragments > 1  # rounds that do not end with identical weights
+        self.transport = OuterSteps(
+            self, self.cover, lambda: OuterSync(c.outer_lr, c.outer_momentum, c.outer_nesterov, c.codec,
+                                                c.payload_block, c.error_feedback, keep_sent_from=c.overlap_steps > 0),
+            c.fragments, c.overlap_merge, c.overlap_alpha, streaming) if c.pseudo_gradient else MeanSync(self, self.cover)
+        self.schedule = RoundSchedule(self.transport.fragments, c.overlap_steps, c.total_steps, streaming)
+        self._lr_sums = [0.0] * self.transport.fragments
         self._complete_at: Optional[int] = None  # last step after which every rank held the same weights
         self._check_streaming()
         if self.engine.buffers_synced_each_forward and float_buffers(self.module):
@@ -232,11 +233,6 @@ class QSRState(AlgorithmState):
                 stacklevel=user_stacklevel(),
             )
 
-    def _check_hierarchical(self) -> None:
-        """A part is a run of flat views of the parameters (ConfigError on every rank alike)."""
-        if self.hierarchical:
-            self._require_contiguous("qsr.hierarchical needs", "a rank's part", "hierarchical false")
-
     def _require_contiguous(self, what: str, piece: str, instead: str) -> None:
         """ConfigError naming the non-contiguous parameters: ``piece`` would be a view of them."""
         bent = [n for n, p in self.named_params if not p.is_contiguous()]
@@ -244,33 +240,19 @@ class QSRState(AlgorithmState):
             raise ConfigError(f"{what} contiguous parameters ({piece} is a view of them); not contiguous: "
                               f"{bent[:4]} (e.g. channels_last): use {instead}")
 
-    def _part(self, member: int, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """Member ``member``'s part of ``tensors`` (equal runs of their concatenation): flat views that share
-        their storage."""
-        return split_views(tensors, len(self._mine()), member)
+    def _params(self) -> List[torch.Tensor]:
+        return [p for _, p in self.named_params]
 
-    def _mine(self) -> Tuple[int, ...]:
-        """The ranks of this rank's replica group."""
-        return self.replica_ranks[replicas.group_of(self.replica_ranks, self.comm.rank)]
+    def _buffers(self) -> List[torch.Tensor]:
+        """Floating buffers (BatchNorm statistics), averaged at each sync with ``average_buffers``."""
+        return float_buffers(self.module) if self.config.average_buffers else []
 
-    def _sync_tensors(self) -> List[torch.Tensor]:
-        """What this rank syncs across groups: its part of the parameters (hierarchical), else all of them."""
+    def _moments(self) -> List[torch.Tensor]:
+        """Optimizer moments of the parameters, averaged at each sync with ``average_optimizer_state``."""
+        if not self.config.average_optimizer_state:
+            return []
         params = self._params()
-        return self._part(self.member, params) if self.hierarchical else params
-
-    def _share_parts(self, fragment: Optional[int] = None) -> None:
-        """Hierarchical: every rank of the replica group broadcasts its freshly synced part (or fragment
-        ``fragment`` of it) to the others, over the node's own links; afterwards the group is identical."""
-        if not self.hierarchical:
-            return
-        params = self._params()
-        mine = self._mine()
-        with self.collective_context():
-            for m, src in enumerate(mine):
-                part = self._part(m, params)
-                if fragment is not None and self.outer is not None and len(self.outer.outers) > 1:
-                    part = split_views(part, len(self.outer.outers), fragment)
-                self.comm.broadcast(part, src=src, group=self.replica, tag="share-part")
+        return [m for opt in self.optimizers for m in optimizer_moments(opt, params, self.engine.master_slices)]
 
     def _check_streaming(self) -> None:
         """Local checks of overlap_steps / fragments against the tensors (ConfigError on every rank alike)."""
@@ -295,13 +277,24 @@ class QSRState(AlgorithmState):
         self.shards = None  # the group of this rank's shard across replicas, when the engine shards
         if len(self.replica_ranks[mine]) == 1:  # every rank its own replica: no group to create
             self.replica = Group(f"replica{mine}", self.replica_ranks[mine])
-            return
-        groups = [self.comm.new_group(g, name=f"replica{i}") for i, g in enumerate(self.replica_ranks)]
-        self.replica = groups[mine]
-        if self.engine.replica_data_parallel or self.hierarchical:
-            across = replicas.across_groups(self.replica_ranks)
-            shards = [self.comm.new_group(g, name=f"shard{i}") for i, g in enumerate(across)]
-            self.shards = shards[replicas.group_of(across, self.comm.rank)]
+        else:
+            groups = [self.comm.new_group(g, name=f"replica{i}") for i, g in enumerate(self.replica_ranks)]
+            self.replica = groups[mine]
+            if self.engine.replica_data_parallel or self.hierarchical:
+                across = replicas.across_groups(self.replica_ranks)
+                shards = [self.comm.new_group(g, name=f"shard{i}") for i, g in enumerate(across)]
+                self.shards = shards[replicas.group_of(across, self.comm.rank)]
+        self.cover.across, self.cover.replica = self.shards, self.replica
+
+    @property
+    def outer(self):
+        """The fragments' outer states and syncs in flight (:class:`~.pipeline.StreamedSyncs`), or None when a
+        sync is a plain mean."""
+        return getattr(self.transport, "streams", None)
+
+    @property
+    def streaming(self) -> bool:
+        return self.schedule.streaming
 
     def reduce_gradients(self, grads, params, flat=None):
         """Replica groups: the mean gradient of the group, every step (the engine's own data parallelism)."""
@@ -309,15 +302,11 @@ class QSRState(AlgorithmState):
                                    async_op=True, tag="group-grad")
 
     def before_step(self) -> None:
-        if self.outer is not None and not self.outer.anchored:  # first step: every rank's anchor, the mean
-            with self.collective_context():
-                self.outer.take_anchor(self.comm, self._sync_tensors(), group=self.shards)
-            self._share_parts()
-            self.tensors_changed()
+        if not self.transport.anchored:  # first step: every rank's anchor, the mean
+            self.transport.take_anchor()
         lr = self.lr()
         self._check_lr(lr)
-        if self.outer is not None:  # the inner lr summed since each fragment was last sent (outer_normalize)
-            self._lr_sums = [s + lr for s in self._lr_sums]
+        self._lr_sums = [s + lr for s in self._lr_sums]  # since each fragment was last sent (outer_normalize)
         if self.H is None:  # a round starts: its period from the lr of its first step (agreed inside Join)
             self.H = self.agree_on_period(qsr_period(self.step, lr, self.config))
 
@@ -335,35 +324,24 @@ class QSRState(AlgorithmState):
                 "long periods (few syncs); set warmup_steps to the length of your lr warm-up", stacklevel=user_stacklevel())
 
     def after_step(self) -> None:
+        """Land what is due, send what the schedule says; at the round's end close it (the run's last round of
+        streamed syncs: one blocking sync of everything, so the run ends identical)."""
         if self.H is None:  # a step that bypassed the pre-hook
             self.before_step()
         self.since_sync += 1
-        if self.outer is None:
-            if self.since_sync >= self.H:
-                self.sync()
-            return
-        for k in self.outer.due(self.step):  # syncs sent overlap_steps ago land now
-            self._apply_fragment(k)
-        last = self.config.total_steps is not None and self.step >= self.config.total_steps
-        if self.since_sync >= self.H and last and self.streaming:  # the run ends with identical weights
-            self.flush()
-            self._end_round(range(len(self.outer.outers)), blocking=True)
-        elif self.since_sync >= self.H:
-            self._end_round(send_points(self.H, len(self.outer.outers)).get(self.since_sync, []))
+        for k in self.transport.due(self.step):  # syncs sent overlap_steps ago land now
+            self.transport.land(k)
+        if self.since_sync < self.H:
+            for k in self.schedule.sends(self.since_sync, self.H):
+                self._send(k)
+        elif self.schedule.ends_run(self.step):
+            self.sync()
         else:
-            for k in send_points(self.H, len(self.outer.outers)).get(self.since_sync, []):
-                self._send_fragment(k)
+            self._end_round(self.schedule.sends(self.since_sync, self.H))
 
     def sync_named(self) -> List[Tuple[str, torch.Tensor]]:
         """Parameters, floating buffers (``average_buffers``), optimizer moments (``average_optimizer_state``)."""
-        named = list(self.named_params)
-        if self.config.average_buffers:
-            named += [(f"buffer{i}", b) for i, b in enumerate(float_buffers(self.module))]
-        if self.config.average_optimizer_state:
-            params = [p for _, p in self.named_params]
-            moments = [m for opt in self.optimizers for m in optimizer_moments(opt, params, self.engine.master_slices)]
-            named += [(f"moment{i}", m) for i, m in enumerate(moments)]
-        return named
+        return self.cover.named(self.named_params)
 
     def sync(self) -> None:
         """Average the model over the world now and start a new round (syncs in flight land first).
@@ -374,88 +352,42 @@ class QSRState(AlgorithmState):
         rank holds a different shard: it is averaged with the same shard of the other groups (one payload
         of the shard's size per rank), and the buffers over the world in a second call.
         """
-        if self.outer is not None:
-            self.flush()
-            self._end_round(range(len(self.outer.outers)), blocking=True)
-            return
-        self.refresh_parameters()  # parameters unfrozen or added to the optimizer since: synced from now on
-        named = self.sync_named()
-        if self.shards is None:
-            self.average([t for _, t in named], tag="sync")
-        else:
-            sharded, buffers = self._buffers_apart([t for _, t in named])
-            if self.hierarchical:  # this rank's part of the parameters; moments whole (same inside a group)
-                own = {id(p) for _, p in self.named_params}
-                sharded = self._sync_tensors() + [t for t in sharded if id(t) not in own]
-            self.average(sharded, group=self.shards, tag="sync")
-            self._share_parts()
-            if buffers:
-                self.average(buffers, tag="sync-buffers")
-        self.since_sync = 0
-        self.H = None
-        self.synced(group=self.shards)
-
-    def _buffers_apart(self, tensors) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        """``tensors`` split into (this rank's shard: parameters, optimizer moments; floating buffers): buffers
-        differ inside a replica group and take the world mean."""
-        buffers = {id(b) for b in float_buffers(self.module)}
-        return [t for t in tensors if id(t) not in buffers], [t for t in tensors if id(t) in buffers]
+        self.flush()
+        self._end_round(range(self.transport.fragments), blocking=True)
 
     def _end_round(self, fragments, blocking: bool = False) -> None:
-        """The round's last fragments are sent (blocking: applied too), buffers and optimizer moments
-        averaged; a new round starts."""
-        if self.refresh_parameters():
-            raise ConfigError("QSR with outer_lr / outer_momentum / payload / overlap_steps / fragments: parameters "
-                              "added or unfrozen during training are not supported (the anchor covers the "
-                              "parameters of the first step)")
+        """The round's last fragments are sent (blocking: landed too), buffers and optimizer moments averaged
+        as the transport does; a new round starts.  Parameters unfrozen or added to the optimizer since the last
+        sync join a plain mean (an outer step refuses them)."""
+        self.transport.check_new_parameters(self.refresh_parameters())
         fragments = list(fragments)
         for k in fragments:
-            self._send_fragment(k, blocking=blocking)
-        own = {id(p) for _, p in self.named_params}
-        moments, buffers = self._buffers_apart([t for _, t in self.sync_named() if id(t) not in own])
-        if buffers:  # buffers differ inside a replica group: the world mean
-            self.average(buffers, tag="sync-buffers")
-        if moments:  # optimizer moments belong to this rank's shard, like the parameters
-            self.average(moments, group=self.shards, tag="sync-moments")
+            self._send(k, blocking=blocking)
+        self.transport.finish_round()
         self.since_sync = 0
         self.H = None
-        if blocking and len(fragments) == len(self.outer.outers) or not self.streaming:
+        if blocking and len(fragments) == self.transport.fragments or not self.streaming:
             self._complete_at = self.step
         self.synced(group=self.shards)
 
-    def _send_fragment(self, k: int, blocking: bool = False) -> None:
-        """Send fragment ``k``'s pseudo-gradient (proof inside); it lands ``overlap_steps`` steps later, never
-        after ``total_steps``, at once if ``blocking``.  A previous sync of ``k`` still in flight lands first."""
-        if k in self.outer.in_flight:
-            self._apply_fragment(k)
-        apply_at = self.step if blocking else self.step + self.config.overlap_steps
-        if self.config.total_steps is not None:
-            apply_at = min(apply_at, max(self.step, self.config.total_steps))
+    def _send(self, k: int, blocking: bool = False) -> None:
+        """Send fragment ``k`` (proof inside); it lands when the schedule says (at once if ``blocking``).  A
+        previous sync of ``k`` still in flight lands first."""
+        if k in self.transport.in_flight:
+            self.transport.land(k)
+        apply_at = self.schedule.lands_at(self.step, blocking)
         scale = self._lr_sums[k] if self.config.outer_normalize == "lr_sum" and self._lr_sums[k] > 0 else 1.0
         self._lr_sums[k] = 0.0
-        with self.collective_context():
-            self.outer.send(k, self.comm, self._sync_tensors(), self.step_proof(), self.step, apply_at,
-                            group=self.shards, tag="sync", seed=self.rounding_seed(), scale=scale)
+        self.transport.send(k, apply_at, scale)
         if apply_at <= self.step:
-            self._apply_fragment(k)
-
-    def _apply_fragment(self, k: int) -> None:
-        with self.collective_context():
-            proofs, sent_at = self.outer.apply(k, self._sync_tensors(), self.step)
-        self._share_parts(k)
-        self.check_proof(proofs, self.shards, "sync", step=sent_at)
-        self.tensors_changed()
-
-    def _params(self) -> List[torch.Tensor]:
-        return [p for _, p in self.named_params]
+            self.transport.land(k)
 
     def flush(self) -> None:
         """Land every sync still in flight now (a forced sync and the end of a Join do it first).  Each rank
         keeps its local progress (``overlap_merge``): for identical weights call :meth:`sync`.  Collective:
         every rank calls it at the same step (as checkpoints are)."""
-        if self.outer is not None:
-            for k in sorted(self.outer.in_flight):
-                self._apply_fragment(k)
+        for k in sorted(self.transport.in_flight):
+            self.transport.land(k)
 
     def final_sync(self) -> None:
         self.flush()
@@ -468,16 +400,14 @@ class QSRState(AlgorithmState):
 
     def identical_named(self) -> List[Tuple[str, torch.Tensor]]:
         """With overlapped or fragmented syncs the ranks keep their local progress: the anchors are what agree."""
-        if self.outer is None or not self.streaming:
-            return self.sync_named()
-        own = {id(p) for _, p in self.named_params}
-        return self.outer.anchors() + [(n, t) for n, t in self.sync_named() if id(t) not in own]
+        return self.transport.identical_named(self.named_params)
 
     def algorithm_state_dict(self) -> dict:
         state = {"since_sync": self.since_sync, "H": self.H, "complete_at": self._complete_at,
                  "lr_sums": list(self._lr_sums)}
-        if self.outer is not None:
-            state["outer"] = self.outer.state_dict()
+        outer = self.transport.state_dict()
+        if outer is not None:
+            state["outer"] = outer
         return state
 
     def load_algorithm_state_dict(self, state: dict) -> None:
@@ -487,7 +417,7 @@ class QSRState(AlgorithmState):
         if "lr_sums" in state and len(state["lr_sums"]) == len(self._lr_sums):
             self._lr_sums = [float(v) for v in state["lr_sums"]]
         if self.outer is not None:
-            self.outer.load_state_dict(state["outer"])
+            self.transport.load_state_dict(state["outer"])
 
     def status(self) -> str:
         phase = "warm-up" if self.step < self.config.warmup_steps else "rule"
@@ -496,21 +426,7 @@ class QSRState(AlgorithmState):
     def algorithm_memory(self) -> Dict[str, int]:
         """Per fragment: anchor, outer momentum, error-feedback residual, the reused sync buffers; and, for a
         compressed payload in flight, the gathered payloads of the group (size x payload bytes) and the mean."""
-        if self.outer is None:
-            return {}
-        out: Dict[str, int] = {}
-        for o in self.outer.outers:
-            for kind, n in o.memory().items():
-                out[kind] = out.get(kind, 0) + n
-        if self.config.payload != "fp32" and self.outer.in_flight:
-            from .payload import payload_nbytes
-            from .alignment import STEP_PROOF_BYTES
-
-            size = self.comm.size if self.shards is None else self.shards.size
-            numels = [sum(b - a for _, a, b in self.outer.fragments[k]) for k in self.outer.in_flight]
-            out["in_flight"] = sum(size * (STEP_PROOF_BYTES + payload_nbytes(n, self.config.codec)) + 4 * n
-                                   for n in numels)
-        return out
+        return self.transport.memory(self.comm.size if self.shards is None else self.shards.size)
 
     def algorithm_report(self) -> dict:
         gaps = [b - a for a, b in zip([0] + self.sync_steps[:-1], self.sync_steps)]

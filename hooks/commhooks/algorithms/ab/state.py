@@ -107,6 +107,9 @@ class ABState(AlgorithmState):
         self.bases: Dict[str, Basis] = {}  # compressed weights of the current AB phase
         self.ranks: Dict[str, Optional[int]] = {}  # rank per candidate at the last entry (None: kept dense)
         self.entry: Optional[torch.Tensor] = None  # compressed payload: the synced tensors as the AB phase began
+        # the compressed sync: an outer step of lr 1 without momentum from ``entry`` (its buffers reused)
+        self.changes = OuterSync(1.0, 0.0, False, self.config.codec, self.config.payload_block,
+                                 error_feedback=False, keep_sent_from=False)
 
     def describe(self) -> dict:
         return {"groups": self.group_ranks}
@@ -237,12 +240,11 @@ class ABState(AlgorithmState):
     def _average_changes(self, tensors: List[torch.Tensor]) -> None:
         """The world mean of ``tensors`` as the phase's start minus the mean of the ranks' changes since then,
         the changes sent compressed (``payload``) with the step proof: an outer step of lr 1 without momentum
-        from the phase's start (:class:`~commhooks.algorithms.outer.OuterSync`)."""
-        outer = OuterSync(1.0, 0.0, False, self.config.codec, self.config.payload_block, error_feedback=False,
-                          keep_sent_from=False)
-        outer.anchor = self.entry
+        from the phase's start (the :class:`~commhooks.algorithms.outer.OuterSync` QSR's pipeline steps)."""
+        self.changes.anchor = self.entry
         with self.collective_context():
-            proofs = outer.sync(self.comm, tensors, self.step_proof(), tag="sync", seed=self.rounding_seed())
+            proofs = self.changes.sync(self.comm, tensors, self.step_proof(), tag="sync", seed=self.rounding_seed())
+        self.changes.anchor = None
         self.check_proof(proofs, None, "sync")
 
     def parameters_added(self, new) -> None:
@@ -298,11 +300,11 @@ class ABState(AlgorithmState):
 
     def algorithm_memory(self) -> Dict[str, int]:
         """The bases of the current AB phase (A, B and the singular values; the residual W - AB of the first
-        phase when it is kept) and the phase's starting point for compressed syncs."""
+        phase when it is kept), the phase's starting point for compressed syncs and their reused buffers."""
         size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
         out = {"ab_bases": sum(size(b.a) + size(b.b) + size(b.s) for b in self.bases.values()),
                "ab_residuals": sum(size(b.residual) for b in self.bases.values()),
-               "ab_phase_start": size(self.entry)}
+               "ab_phase_start": size(self.entry), **self.changes.memory()}
         return {k: v for k, v in out.items() if v}
 
     def status(self) -> str:
