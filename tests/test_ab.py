@@ -146,7 +146,21 @@ def test_groups():
 def test_bad_ab_settings_name_the_key(settings, pattern):
     model = mlp()
     with pytest.raises(ConfigError, match=pattern):  # raised before any collective: no process group needed
-        commhooks.ABState(model, torch.optim.SGD(model.parameters(), lr=0.1), **settings)
+        commhooks.ABState(torch.optim.SGD(model.parameters(), lr=0.1), model=model, **settings)
+
+
+def test_ab_state_takes_the_optimizer_first_and_the_old_order_with_a_warning():
+    """Every state is built as State(optimizer, model=..., ...); ABState(model, optimizer) still works for now, with
+    a DeprecationWarning, and any other positional use is a TypeError naming the right form."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(DeprecationWarning, match=r"ABState\(optimizer, model=model"):
+        with pytest.raises(ConfigError, match="sync_priod"):  # the old order reached the config check
+            commhooks.ABState(model, opt, sync_priod=3)
+    with pytest.raises(TypeError, match=r"one positional argument, the optimizer"):
+        commhooks.ABState(opt, model, sync_period=3)
+    with pytest.raises(TypeError, match=r"the optimizer first, the model by keyword"):
+        commhooks.ABState(model, opt, model=model)
 
 
 # --------------------------------------------------------------------------
@@ -167,7 +181,7 @@ def _equivalence(rank, world, settings, steps):
     )
     net = DDP(mlp())
     opt = torch.optim.SGD(net.parameters(), **SGD)
-    state = commhooks.ABState(net, opt, **cfg)
+    state = commhooks.ABState(opt, model=net, **cfg)
     net.register_comm_hook(state, commhooks.ab_hook)
     numel = {n: p.numel() for n, p in net.module.named_parameters()}
     log = []
@@ -247,7 +261,7 @@ def _rank_agreement(rank, world):
     with torch.no_grad():
         model[0].weight.copy_(with_singular_values(20, 6, s, seed=rank))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = commhooks.ABState(model, opt, warmup_steps=0, sync_period=5, full_rank_steps=1, mode="only-b",
+    state = commhooks.ABState(opt, model=model, warmup_steps=0, sync_period=5, full_rank_steps=1, mode="only-b",
                               rank_cutoff=0.15, min_compression_rate=0.0)
     b = state.bases["0.weight"]
     return state.ranks["0.weight"], b.a, b.b, state.meter.bytes(tag="basis"), model[0].weight.detach().clone()
@@ -276,7 +290,7 @@ class ConvNet(nn.Module):
 def _conv_training(rank, world, steps, bucket_view):
     net = DDP(ConvNet(), forward_sync_buffers=False, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.001)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    state = commhooks.ABState(net, opt, warmup_steps=3, sync_period=5, full_rank_steps=1, group_size=1,
+    state = commhooks.ABState(opt, model=net, warmup_steps=3, sync_period=5, full_rank_steps=1, group_size=1,
                               rank_cutoff=0.5, min_compression_rate=0.0)
     net.register_comm_hook(state, commhooks.ab_hook)
     losses, params, buffers, syncs = [], [], [], []
@@ -323,7 +337,7 @@ def test_conv_bn_model_trains_and_is_identical_after_syncs(bucket_view):
 def _optimizer_state_rule(rank, world):
     net = DDP(mlp())
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    state = commhooks.ABState(net, opt, **{**SCHEDULE, "full_rank": ["4.*"]}, mode="only-b")
+    state = commhooks.ABState(opt, model=net, **{**SCHEDULE, "full_rank": ["4.*"]}, mode="only-b")
     net.register_comm_hook(state, commhooks.ab_hook)
     m = net.module
     seen = {}
@@ -345,7 +359,7 @@ def test_optimizer_state_is_cleared_at_phase_switches():
 def _resumable(rank, world, total, stop_at=None, save_dir=None, resume_dir=None):
     net = DDP(mlp())
     opt = torch.optim.SGD(net.parameters(), **SGD)
-    state = commhooks.ABState(net, opt, **{**SCHEDULE, "full_rank": ["4.*"]}, group_size=1, sync="with-stale")
+    state = commhooks.ABState(opt, model=net, **{**SCHEDULE, "full_rank": ["4.*"]}, group_size=1, sync="with-stale")
     net.register_comm_hook(state, commhooks.ab_hook)
     start = 0
     if resume_dir:
@@ -379,7 +393,7 @@ def _accumulation(rank, world, micro):
     for accumulate in (False, True):
         net = DDP(mlp())
         opt = torch.optim.SGD(net.parameters(), lr=0.05)
-        state = commhooks.ABState(net, opt, **SCHEDULE, mode="only-b")
+        state = commhooks.ABState(opt, model=net, **SCHEDULE, mode="only-b")
         net.register_comm_hook(state, commhooks.ab_hook)
         for step in range(10):
             x, y = batch(step, rank)
@@ -409,7 +423,7 @@ def test_no_sync_accumulation_follows_optimizer_steps():
 def _rebound(rank, world, total):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = commhooks.ABState(model, opt, **SCHEDULE, mode="only-b", rebound_steps=3)
+    state = commhooks.ABState(opt, model=model, **SCHEDULE, mode="only-b", rebound_steps=3)
     sched = commhooks.LRRebound(torch.optim.lr_scheduler.CosineAnnealingLR(opt, total), state)
     lrs = []
     for step in range(total):

@@ -94,7 +94,7 @@ def _cosine_run(rank, world, settings):
     net = DDP(mlp())
     opt = torch.optim.SGD(net.parameters(), lr=PEAK, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: lr_of_step(t) / PEAK)
-    state = commhooks.ABState(net, opt, **settings)
+    state = commhooks.ABState(opt, model=net, **settings)
     net.register_comm_hook(state, commhooks.ab_hook)
     seen = []
     for step in range(TOTAL):
@@ -119,7 +119,7 @@ def _plain_vs_zero_alpha(rank, world, extra):
     for rule in ({}, {"sync_rule": "qsr", "alpha": 0.0}):
         net = DDP(mlp())
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
-        state = commhooks.ABState(net, opt, warmup_steps=5, sync_period=6, full_rank_steps=2, rank_cutoff=0.4,
+        state = commhooks.ABState(opt, model=net, warmup_steps=5, sync_period=6, full_rank_steps=2, rank_cutoff=0.4,
                                   min_compression_rate=0.0, **extra, **rule)
         net.register_comm_hook(state, commhooks.ab_hook)
         for step in range(26):
@@ -142,7 +142,7 @@ def test_alpha_zero_equals_plain_ab(extra):
 def _local_group_steps(rank, world):
     net = DDP(mlp())
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
-    state = commhooks.ABState(net, opt, warmup_steps=2, sync_period=8, full_rank_steps=1, mode="only-b",
+    state = commhooks.ABState(opt, model=net, warmup_steps=2, sync_period=8, full_rank_steps=1, mode="only-b",
                               local_group_steps=True, rank_cutoff=0.4, min_compression_rate=0.0)
     net.register_comm_hook(state, commhooks.ab_hook)
     snaps = []
@@ -191,7 +191,7 @@ def _payload_run(rank, world, codec, resume_at=None):
     def build():
         net = DDP(mlp())
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
-        state = commhooks.ABState(net, opt, **settings)
+        state = commhooks.ABState(opt, model=net, **settings)
         net.register_comm_hook(state, commhooks.ab_hook)
         return net, opt, state
 

@@ -45,7 +45,7 @@ def _fuzz(rank, world, examples):
                                                    load_config(ds)),
         "ddp.register": lambda c: commhooks.ddp.register(DDP(m := model()), torch.optim.SGD(m.parameters(), lr=0.1), c),
         "QSRState(config=)": lambda c: commhooks.QSRState(torch.optim.SGD(model().parameters(), lr=0.1), config={**c, "type": "qsr"}),
-        "ABState(config=)": lambda c: commhooks.ABState(m := model(), torch.optim.SGD(m.parameters(), lr=0.1), config={**c, "type": "ab"}),
+        "ABState(config=)": lambda c: commhooks.ABState(torch.optim.SGD((m := model()).parameters(), lr=0.1), model=m, config={**c, "type": "ab"}),
     }
     tmp = Path(tempfile.mkdtemp())
 

@@ -34,7 +34,7 @@ def build(kind):
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, TOTAL)
     if kind == "ab":
-        state = commhooks.ABState(net, opt, **AB)
+        state = commhooks.ABState(opt, model=net, **AB)
         net.register_comm_hook(state, commhooks.ab_hook)
     else:
         state = commhooks.QSRState(opt, model=net, **QSR)
@@ -228,7 +228,7 @@ def _nan_before_svd(rank, world):
         with torch.no_grad():
             model[2].weight[0, 0] = float("nan")
     try:
-        commhooks.ABState(model, torch.optim.SGD(model.parameters(), lr=0.1), warmup_steps=0, sync_period=5,
+        commhooks.ABState(torch.optim.SGD(model.parameters(), lr=0.1), model=model, warmup_steps=0, sync_period=5,
                           full_rank_steps=1, mode="only-b")
     except NonFiniteError as exc:
         return str(exc)

@@ -66,7 +66,7 @@ class ABState(AlgorithmState):
 
         state = commhooks.ddp.register(ddp_model, optimizer, "configs/ab_mnist1d.json")
 
-    or by hand: ``state = commhooks.ABState(ddp_model, optimizer, warmup_steps=300, sync_period=100,
+    or by hand: ``state = commhooks.ABState(optimizer, model=ddp_model, warmup_steps=300, sync_period=100,
     full_rank_steps=10, group_size=1)`` and ``ddp_model.register_comm_hook(state, commhooks.ab_hook)``.
     Keyword arguments are the fields of :class:`ABConfig`; ``config=`` takes
     a config object, dict or JSON path instead.  ``named_parameters``
@@ -83,10 +83,18 @@ class ABState(AlgorithmState):
         """In AB phases the groups train different factors: their models differ until the sync."""
         return len(self.group_ranks) > 1
 
-    def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
-                 **kwargs):
+    def __init__(self, optimizer=None, *legacy, model: Optional[torch.nn.Module] = None, **kwargs):
+        if isinstance(optimizer, torch.nn.Module):  # ABState(model, optimizer, ...): the order before 2026-12-05
+            if model is not None or len(legacy) != 1:
+                raise TypeError("ABState(optimizer, model=model, ...): the optimizer first, the model by keyword")
+            warnings.warn("ABState(model, optimizer, ...) is deprecated: write ABState(optimizer, model=model, ...), "
+                          "as every commhooks state takes them", DeprecationWarning, stacklevel=2)
+            model, optimizer = optimizer, legacy[0]
+        elif legacy:
+            raise TypeError(f"ABState takes one positional argument, the optimizer (got {1 + len(legacy)}): "
+                            "ABState(optimizer, model=model, ...)")
         if optimizer is None:
-            raise TypeError("ABState needs the optimizer: ABState(model, optimizer, ...)")
+            raise TypeError("ABState needs the optimizer: ABState(optimizer, model=model, ...)")
         if model is None and kwargs.get("named_parameters") is None and kwargs.get("engine") is None:
             raise ValueError("ABState needs the model or its named_parameters")
         super().__init__(optimizer, model=model, **kwargs)
