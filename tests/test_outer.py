@@ -31,12 +31,17 @@ def _batch(step, rank):
     return x, x[:, :3].argmax(1)
 
 
-def _qsr_run(config, steps, resume_at=None):
-    """QSR through the DDP adapter; ``resume_at``: save there, rebuild everything, load, go on."""
+def _qsr_run(config, steps, resume_at=None, outer_optimizer=None):
+    """QSR through the DDP adapter; ``resume_at``: save there, rebuild everything, load, go on.
+    ``outer_optimizer``: the state built by hand with it (the documented two lines)."""
     def build():
         net = DDP(_net(), forward_sync_buffers=False)
         opt = torch.optim.SGD(net.parameters(), **SGD)
-        return net, opt, commhooks.ddp.register(net, opt, config)
+        if outer_optimizer is None:
+            return net, opt, commhooks.ddp.register(net, opt, config)
+        state = commhooks.QSRState(opt, model=net, outer_optimizer=outer_optimizer, config=config)
+        net.register_comm_hook(state, commhooks.comm_hook)
+        return net, opt, state
 
     net, opt, state = build()
     rank = dist.get_rank()
@@ -109,6 +114,15 @@ def _worker(rank, world):
     conf = {"type": "qsr", "h_base": 3, "alpha": 0.0, "outer_lr": 0.7, "outer_momentum": 0.9, "payload": "int8",
             "error_feedback": True, "total_steps": 12}
     out["resume"] = (_qsr_run(conf, 12)[0], _qsr_run(conf, 12, resume_at=7)[0])
+    # 4b. any torch.optim optimizer as the outer step: torch's SGD with Nesterov takes the built-in's steps, and its
+    # state resumes exactly; Adam runs and keeps the ranks identical
+    nesterov = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)  # noqa: E731
+    plain = {"type": "qsr", "h_base": 3, "alpha": 0.0, "payload": "int8", "error_feedback": True, "total_steps": 12}
+    out["torch_outer"] = (out["resume"][0], _qsr_run(plain, 12, outer_optimizer=nesterov)[0],
+                          _qsr_run(plain, 12, resume_at=7, outer_optimizer=nesterov)[0])
+    weights, state = _qsr_run({**plain, "payload": "fp32", "error_feedback": False}, 9,
+                              outer_optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01))
+    out["adam_outer"] = (weights, state.syncs, state.memory().get("outer_optimizer", 0))
     # 5. error feedback: the residual is exactly what the codec lost, and rides in the next delta
     torch.manual_seed(10 + rank)
     tensors = [torch.randn(300)]
@@ -155,6 +169,25 @@ def test_exact_resume_with_outer_state(results):
     for r in results:
         straight, resumed = r["resume"]
         assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_any_torch_optimizer_takes_the_outer_step(results):
+    for r in results:
+        builtin, torch_sgd, resumed = r["torch_outer"]
+        for n in builtin:  # the same Nesterov steps, to rounding (torch fuses lr * step into the update)
+            assert torch.allclose(builtin[n], torch_sgd[n], atol=1e-6, rtol=1e-5), (n, (builtin[n] - torch_sgd[n]).abs().max())
+        assert all(torch.equal(torch_sgd[k], resumed[k]) for k in torch_sgd)  # its state rides in the checkpoint
+        weights, syncs, kept = r["adam_outer"]
+        assert syncs == 3 and kept == 2 * 4 * sum(w.numel() for w in weights.values())  # exp_avg, exp_avg_sq
+    a, b = results[0]["adam_outer"][0], results[1]["adam_outer"][0]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_outer_optimizer_refuses_the_built_in_keys():
+    net = _net()
+    with pytest.raises(ConfigError, match=r"qsr.outer_lr \(0.7\) and qsr.outer_momentum"):
+        commhooks.QSRState(torch.optim.SGD(net.parameters(), lr=0.1), model=net, outer_lr=0.7,
+                           outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7))
 
 
 def test_error_feedback_carries_the_residual(results):

@@ -37,6 +37,13 @@ lands (the progress merge needs them); the send buffer (the pseudo-gradient,
 with the step proof in front for fp32); the averaged result until it lands.
 The buffers are allocated once and reused at every sync.  For a bf16 model
 each fp32 copy costs twice the weights' own bytes.
+
+Any ``torch.optim`` optimizer can be the outer step instead (as in torchft):
+``make_optimizer(params) -> optimizer`` is built over the anchor, and a sync
+hands it the averaged pseudo-gradient as the anchor's ``.grad``.  The built-in
+step above stays the default and the tested reference:
+``torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)`` takes the same
+steps (to rounding).  Its state is saved with the outer state.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ class OuterSync:
     """Anchor, outer momentum and error-feedback residual of the tensors a sync covers (flat fp32)."""
 
     def __init__(self, lr: float, momentum: float, nesterov: bool, codec: str, block: int, error_feedback: bool,
-                 keep_sent_from: bool = True):
+                 keep_sent_from: bool = True, make_optimizer=None):
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
         self.codec = payload.Codec.of(codec, block)  # a Codec, or a codec's name with its block size
         self.block, self.error_feedback = self.codec.block, error_feedback
@@ -63,6 +70,9 @@ class OuterSync:
         self.buffer: Optional[torch.Tensor] = None  # outer momentum
         self.residual: Optional[torch.Tensor] = None  # error feedback
         self._scratch: Dict[str, torch.Tensor] = {}  # sync buffers, reused at every sync
+        self.make_optimizer = make_optimizer  # params -> a torch.optim optimizer taking the outer step (None: built-in)
+        self.optimizer: Optional[torch.optim.Optimizer] = None  # over [self.anchor], built at its first step
+        self._optimizer_state: Optional[dict] = None  # loaded before the optimizer exists
 
     @staticmethod
     def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -89,6 +99,11 @@ class OuterSync:
         """Bytes this outer state keeps, by kind: anchor, momentum, residual, and the reused sync buffers."""
         held = {"anchor": self.anchor, "outer_momentum": self.buffer, "residual": self.residual}
         out = {k: v.numel() * v.element_size() for k, v in held.items() if v is not None}
+        if self.optimizer is not None:
+            kept = sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
+                       if isinstance(v, torch.Tensor) and v.numel() > 1)
+            if kept:
+                out["outer_optimizer"] = kept
         scratch = sum(b.numel() * b.element_size() for b in self._scratch.values())
         if scratch:
             out["sync_buffers"] = scratch
@@ -162,11 +177,14 @@ class OuterSync:
         mean = mean.to(device)
         if scale != 1.0:
             mean = mean / scale
-        step = mean
-        if self.momentum:
-            self.buffer = mean.clone() if self.buffer is None else self.buffer.mul_(self.momentum).add_(mean)
-            step = mean + self.momentum * self.buffer if self.nesterov else self.buffer
-        self.anchor -= (self.lr * scale) * step if scale != 1.0 else self.lr * step
+        if self.make_optimizer is not None:
+            self._optimizer_step(mean, scale)
+        else:
+            step = mean
+            if self.momentum:
+                self.buffer = mean.clone() if self.buffer is None else self.buffer.mul_(self.momentum).add_(mean)
+                step = mean + self.momentum * self.buffer if self.nesterov else self.buffer
+            self.anchor -= (self.lr * scale) * step if scale != 1.0 else self.lr * step
         if sent_from is None or alpha == 0.0:
             self._write(tensors, self.anchor)
             return
@@ -174,6 +192,23 @@ class OuterSync:
         merged = self.anchor + alpha * (now - sent_from.to(device)) if merge == "progress" else (
             alpha * now + (1.0 - alpha) * self.anchor)
         self._write(tensors, merged)
+
+    def _optimizer_step(self, mean: torch.Tensor, scale: float) -> None:
+        """The user's outer optimizer steps the anchor with ``mean`` as its gradient (its lr times ``scale``)."""
+        if self.optimizer is None or self.optimizer.param_groups[0]["params"][0] is not self.anchor:
+            saved = self.optimizer.state_dict() if self.optimizer is not None else self._optimizer_state
+            self.optimizer = self.make_optimizer([self.anchor])  # (again after the anchor moved or was loaded)
+            if saved is not None:
+                self.optimizer.load_state_dict(saved)
+            self._optimizer_state = None
+        self.anchor.grad = mean
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["lr"] * scale
+        self.optimizer.step()
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        self.anchor.grad = None
 
     def sync(self, comm: Comm, tensors: Sequence[torch.Tensor], proof: torch.Tensor, group=None,
              tag: str = "sync", seed: Optional[int] = None) -> torch.Tensor:
@@ -196,9 +231,21 @@ class OuterSync:
 
     def state_dict(self) -> dict:
         """Copies: the live tensors change in place at the next sync."""
-        return {k: None if v is None else v.clone() for k, v in
-                (("anchor", self.anchor), ("buffer", self.buffer), ("residual", self.residual))}
+        import copy
+
+        state = {k: None if v is None else v.clone() for k, v in
+                 (("anchor", self.anchor), ("buffer", self.buffer), ("residual", self.residual))}
+        optimizer = self.optimizer.state_dict() if self.optimizer is not None else self._optimizer_state
+        if optimizer is not None:
+            state["optimizer"] = copy.deepcopy(optimizer)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.anchor, self.buffer, self.residual = (None if state[k] is None else state[k].clone()
                                                    for k in ("anchor", "buffer", "residual"))
+        if state.get("optimizer") is not None and self.make_optimizer is None:
+            raise ValueError("the checkpoint's outer step used an outer_optimizer; pass the same outer_optimizer")
+        if state.get("buffer") is not None and self.make_optimizer is not None:
+            raise ValueError("the checkpoint's outer step is the built-in one with momentum; its momentum would be "
+                             "lost under an outer_optimizer: resume without outer_optimizer")
+        self.optimizer, self._optimizer_state = None, state.get("optimizer")

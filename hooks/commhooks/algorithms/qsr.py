@@ -189,6 +189,14 @@ class QSRState(AlgorithmState):
             groups = groups + replicas.across_groups(groups)
         return groups
 
+    def __init__(self, optimizer=None, *, outer_optimizer=None, **kwargs):
+        """``outer_optimizer``: ``params -> torch.optim optimizer`` to take the DiLoCo outer step in place of the
+        built-in SGD with (Nesterov) momentum, as in torchft (e.g. ``lambda ps: torch.optim.SGD(ps, lr=0.7,
+        momentum=0.9, nesterov=True)``, which takes the built-in's steps); it replaces ``outer_lr``,
+        ``outer_momentum`` and ``outer_nesterov``.  Python only: a JSON config names no optimizer."""
+        self.outer_optimizer = outer_optimizer
+        super().__init__(optimizer, **kwargs)
+
     engine_data_parallel = True  # an engine may run its own data parallelism (and ZeRO) inside each replica group
 
     @property
@@ -218,8 +226,10 @@ class QSRState(AlgorithmState):
         streaming = c.overlap_steps > 0 or c.fragments > 1  # rounds that do not end with identical weights
         self.transport = OuterSteps(
             self, self.cover, lambda: OuterSync(c.outer_lr, c.outer_momentum, c.outer_nesterov, c.codec,
-                                                c.payload_block, c.error_feedback, keep_sent_from=c.overlap_steps > 0),
-            c.fragments, c.overlap_merge, c.overlap_alpha, streaming) if c.pseudo_gradient else MeanSync(self, self.cover)
+                                                c.payload_block, c.error_feedback, keep_sent_from=c.overlap_steps > 0,
+                                                make_optimizer=self.outer_optimizer),
+            c.fragments, c.overlap_merge, c.overlap_alpha, streaming
+        ) if c.pseudo_gradient or self.outer_optimizer is not None else MeanSync(self, self.cover)
         self.schedule = RoundSchedule(self.transport.fragments, c.overlap_steps, c.total_steps, streaming)
         self._lr_sums = [0.0] * self.transport.fragments
         self._complete_at: Optional[int] = None  # last step after which every rank held the same weights
@@ -269,8 +279,22 @@ class QSRState(AlgorithmState):
                 f"and the overlap hides less than asked; use overlap_steps < h_base (e.g. {max(1, c.h_base // 2)})",
                 stacklevel=user_stacklevel())
 
+    def validate(self) -> None:
+        c = self.config
+        if self.outer_optimizer is not None and (c.outer_lr != 1.0 or c.outer_momentum != 0.0):
+            raise ConfigError(f"qsr.outer_lr ({c.outer_lr}) and qsr.outer_momentum ({c.outer_momentum}) belong to the "
+                              "built-in outer step; with outer_optimizer= set them in that optimizer (leave the keys out)")
+        if self.outer_optimizer is not None and not callable(self.outer_optimizer):
+            raise ConfigError("outer_optimizer must be a function params -> torch.optim optimizer, got "
+                              f"{type(self.outer_optimizer).__name__}")
+
     def describe(self) -> dict:
-        return {"replica_groups": self.replica_ranks}
+        """The replica groups; and the outer optimizer's class and settings, which every rank must share."""
+        facts: dict = {"replica_groups": self.replica_ranks}
+        if self.outer_optimizer is not None:
+            probe = self.outer_optimizer([torch.zeros(1)])
+            facts["outer_optimizer"] = [type(probe).__name__, repr(sorted(probe.defaults.items()))]
+        return facts
 
     def start(self) -> None:
         mine = replicas.group_of(self.replica_ranks, self.comm.rank)
