@@ -11,11 +11,16 @@ owns everything algorithms share, so a subclass holds only its algorithm:
 * the start-up handshake: config, world size, parameter names and shapes,
   commhooks version and whatever :meth:`describe` adds must agree on every
   rank, or every rank raises the same ConfigError before training;
-* the optimizer step hooks that count steps, the NaN/Inf gradient guard
-  (``nonfinite``) and skipped steps;
+* the optimizer step hooks that count steps and skipped steps;
 * the post-sync check (``check_every``) and the sync counters;
-* ``state_dict`` / ``load_state_dict`` of the counters, ``report``,
-  ``remove``.
+* ``state_dict`` / ``load_state_dict`` of the counters, ``remove``.
+
+Three small collaborators it owns do the rest: :class:`~.parameters.ParameterSet`
+(``state.parameter_set``: the tensors covered, by name; parameters that join
+later; strays the engine never hands over), :class:`~.step_alignment.StepAlignment`
+(``state.alignment``: GradScaler takeover, the NaN/Inf guard, the step proof of
+each sync and its check, the period agreement) and :mod:`.reporting`
+(``report``, ``memory``, the ``log_every`` line).
 
 The interface the engines drive (an engine adapter calls only these, and
 chooses what to call from what the state *declares*, never from its name):
@@ -75,9 +80,11 @@ import torch
 from .._version import __version__
 from ..comm import CollectiveError, Comm, Work
 from ..config import ConfigError, HookConfig, from_dict, load_config, to_dict
-from . import alignment
+from . import alignment, reporting
 from .averaging import average_, float_buffers
-from .consistency import NonFiniteError, NonfiniteGuard, skip_gradients, verify_identical, verify_same_everywhere
+from .consistency import verify_identical, verify_same_everywhere
+from .parameters import ParameterSet
+from .step_alignment import StepAlignment
 
 
 log = logging.getLogger("commhooks")
@@ -227,16 +234,11 @@ class AlgorithmState:
         self.optimizer = self.optimizers[0]
         self.engine = engine if engine is not None else engine_facts(model)
         self.module = self.engine.module
-        self.named_params = self._named_parameters(named_parameters)
-        # the module's parameters are re-read at each sync, unless the engine handed over other tensors
-        # (DeepSpeed's fp32 masters) to sync in their place
-        own = {id(p) for p in self.module.parameters()} if self.module is not None else set()
-        self._names_given = self.module is None or not {id(p) for _, p in self.named_params} <= own
-        self._name_of = {id(p): n for n, p in self.named_params}
+        self.parameter_set = ParameterSet(self.module, self.optimizers, named_parameters, self.engine.master_slices)
         # where the synced tensors live: every tensor the state hands to a collective is made there (an
         # NCCL-only process group refuses CPU tensors)
         self.device = next((p.device for _, p in self.named_params), torch.device("cpu"))
-        self._guard = NonfiniteGuard([n for n, _ in self.named_params])
+        self.alignment = StepAlignment(self, [n for n, _ in self.named_params])  # scaler, NaN guard, step proofs
         self.validate()  # local checks first: a bad setting raises on every rank before any collective
         if comm is None:
             from ..comm.torch_dist import TorchComm
@@ -250,9 +252,6 @@ class AlgorithmState:
         self.sync_steps: List[int] = []  # optimizer steps after which a sync happened (this process)
         self.joined = False  # True while this rank shadows the others inside a Join context
         self.join_ended_by_engine = False  # an engine's Join hook ran end_join already (DDP's, before its broadcast)
-        self.scaler = None  # a torch.amp.GradScaler whose scale the syncs keep equal (use_scaler)
-        self._last_scale: Optional[torch.Tensor] = None  # the scale a GradScaler handed to the last step (device)
-        self._warned_scales = False
         self._join_config = None  # set by torch's Join context manager
         self._in_context = False  # inside `with state:`, whose exit ends the run synced
         self._uncounted = False  # the next optimizer step is no training step (see not_a_training_step)
@@ -265,12 +264,11 @@ class AlgorithmState:
         self.start()
         self._warn_unoptimized(self.named_params)
         self._handles = []
-        self._amp_owned = []
         if not self.engine.drives_steps:
             self._register_step_hooks()
 
     def _register_step_hooks(self) -> None:
-        self._amp_owned = [opt for opt in self.optimizers if alignment.take_over_amp_scaling(opt)]
+        self.alignment.take_over_amp(self.optimizers)
         first, last = self.optimizers[0], self.optimizers[-1]
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(
@@ -283,6 +281,25 @@ class AlgorithmState:
             self._uncounted = False
             return
         self.end_step()
+
+    @property
+    def named_params(self) -> List[Tuple[str, torch.Tensor]]:
+        """The tensors the state covers, by name (:class:`~.parameters.ParameterSet`)."""
+        return self.parameter_set.named
+
+    @property
+    def _name_of(self) -> Dict[int, str]:
+        return self.parameter_set.name_of
+
+    @property
+    def _guard(self):
+        """The NaN/Inf guard (:class:`~.consistency.NonfiniteGuard`), owned by :attr:`alignment`."""
+        return self.alignment.guard
+
+    @property
+    def scaler(self):
+        """The GradScaler whose scale the syncs keep equal (:meth:`use_scaler`)."""
+        return self.alignment.scaler
 
     # ------------------------------------------------------------ set-up
     def _resolve_config(self, config, settings) -> HookConfig:
@@ -304,27 +321,6 @@ class AlgorithmState:
         if not opts or len({id(o) for o in opts}) != len(opts):
             raise ConfigError("optimizer must be an optimizer or a non-empty list of distinct optimizers")
         return opts
-
-    def _named_parameters(self, named_parameters) -> List[Tuple[str, torch.Tensor]]:
-        """The trainable parameters the algorithm covers: the model's (by name), then any other the
-        optimizer holds (named by their place in it)."""
-        if named_parameters is not None:
-            named = list(named_parameters)
-        elif self.module is not None:
-            named = list(self.module.named_parameters())
-        else:
-            named = []
-        named = [(n, p) for n, p in named if p.requires_grad or id(p) in (self.engine.master_slices or {})]
-        seen = {id(p) for _, p in named}
-        seen |= {id(flat) for flat, _, _ in (self.engine.master_slices or {}).values()}  # covered by its views
-        for k, opt in enumerate(self.optimizers):
-            where = "optimizer" if len(self.optimizers) == 1 else f"optimizer[{k}]"
-            for i, group in enumerate(opt.param_groups):
-                for j, p in enumerate(group["params"]):
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        named.append((f"{where}.param_groups[{i}][{j}]", p))
-        return named
 
     @classmethod
     def groups_needed(cls, config, world_size: int, local_world_size: Optional[int]) -> List[Tuple[int, ...]]:
@@ -385,22 +381,17 @@ class AlgorithmState:
         starts the iteration (:meth:`begin_step`)."""
         if self._uncounted:
             return
-        grad_scale, found_inf = alignment.scaler_inputs(optimizer)
-        if grad_scale is not None:
-            self._last_scale = grad_scale.detach()  # a fresh tensor each step (scale * 1): no copy, no host read
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        dropped = False
-        if found_inf is not None:  # a GradScaler checked these gradients: it, not the guard, decides
-            if any(optimizer is o for o in self._amp_owned) and alignment.apply_scaler(optimizer, params, grad_scale, found_inf):
-                self.skipped_steps += 1
-                dropped = True
+        dropped, checked = self.alignment.scaler_step(optimizer, params)  # a GradScaler checked these: it decides
         if starts and self.reduces_gradients:
             if dropped:  # no update this step (every rank's overflow check agrees after the engine's reduction)
                 self._reduced = set()
             else:
                 self._reduce_strays()
-        if found_inf is None:
-            self._guard_step(params)
+        if not checked and self.alignment.guard_step(params):
+            dropped = True
+        if dropped:
+            self.skipped_steps += 1
         if starts:
             self.begin_step()
 
@@ -446,7 +437,7 @@ class AlgorithmState:
         DDP after unfreezing to have none)."""
         if not self._reduced:
             return
-        strays = [p for p in self._trainable() if id(p) not in self._reduced]
+        strays = [p for p in self.parameter_set.trainable() if id(p) not in self._reduced]
         self._reduced = set()
         if not strays:
             return
@@ -471,36 +462,6 @@ class AlgorithmState:
             for p in missing:
                 if not anyone[id(p)]:
                     p.grad = None
-
-    def _trainable(self) -> List[torch.Tensor]:
-        """Every parameter a step may change now: the module's trainable ones and every optimizer's."""
-        seen, out = set(), []
-        if self.module is not None and not self._names_given:
-            for p in self.module.parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        else:
-            for _, p in self.named_params:
-                seen.add(id(p))
-                out.append(p)
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if p.requires_grad and id(p) not in seen:
-                        seen.add(id(p))
-                        out.append(p)
-        return out
-
-    def _guard_step(self, params: Sequence[torch.Tensor]) -> None:
-        """The ``nonfinite`` policy on this optimizer's gradients: ``"raise"`` records on the device (read at the
-        next sync, no host stall); ``"skip"`` drops the update now (one host read per step)."""
-        own = {id(p) for p in params}
-        positions = [(i, p) for i, (_, p) in enumerate(self.named_params) if id(p) in own]
-        skip = self.config.nonfinite == "skip"
-        bad = self._guard.observe([(i, p.grad) for i, p in positions], self.step, record=not skip)
-        if skip and skip_gradients([(self.named_params[i][0], p) for i, p in positions], bad):
-            self.skipped_steps += 1
 
     def begin_step(self) -> None:
         """Before each iteration's first optimizer step: tell a Join context this rank is still training,
@@ -558,40 +519,20 @@ class AlgorithmState:
     def step_proof(self) -> torch.Tensor:
         """This rank's step proof (GradScaler scale, NaN/Inf record), on the synced tensors' device, to ride in a
         sync's payload."""
-        scale = self.scaler._scale if self.scaler is not None and self.scaler._scale is not None else self._last_scale
-        return alignment.step_proof(self.step, scale, self._guard.indicator(self.device), self.device)
+        return self.alignment.proof()
 
     def check_proof(self, mean: torch.Tensor, group, tag: str, step: Optional[int] = None) -> None:
         """After a sync: the ranks' mean proof shows the same step everywhere (else DivergenceError on every
         rank) and no NaN/Inf gradient on any rank (else NonFiniteError on every rank); equalize GradScaler
         scales that parted.  ``step``: the step the proof was made at (default: now; a sync applied later was
         sent earlier).  A few host reads: the sync's cost, stated in the docs (GPUs and NCCL)."""
-        size = self.comm.size if group is None else group.size
-        step = self.step if step is None else step
-        sums = alignment.proof_sums(mean, size)  # the sync's one host read of its proof
-        alignment.check_step_proof(sums, step, size, self.comm.rank, f"{self.display_name} {tag} at step {step}")
-        bad = alignment.nonfinite_ranks(sums)
-        if bad:
-            self._raise_nonfinite(bad, f"{tag} at step {self.step}")
-        if alignment.scales_differ(sums, size):
-            self._equalize_scales(group)
-
-    def _raise_nonfinite(self, ranks: int, where: str) -> None:
-        raise NonFiniteError(
-            f"NaN or Inf gradient on {ranks} rank(s) since the last sync, found at the {self.display_name} {where}: "
-            f"{self._guard.message(self.comm.rank)} (nonfinite='raise' checks on the device and reads the record at "
-            "each sync and checkpoint; set nonfinite='skip' to skip such steps instead)")
+        self.alignment.check(mean, group, tag, step)
 
     def refuse_nonfinite_everywhere(self, where: str) -> None:
         """Raise NonFiniteError on every rank if any rank saw a NaN/Inf gradient under ``nonfinite="raise"``
         (one flag allreduce and a host read): before an engine's own collective checkpoint, where one rank
         refusing alone would leave the others waiting."""
-        flag = self._guard.indicator(self.device)
-        if self.comm.size > 1:
-            self.comm.allreduce([flag], op="sum", tag="check", metered=False)
-        ranks = int(flag.item())
-        if ranks:
-            self._raise_nonfinite(ranks, where)
+        self.alignment.refuse_everywhere(where)
 
     def nonfinite_seen(self) -> bool:
         """Whether this rank saw a NaN/Inf gradient under ``nonfinite="raise"`` (host read)."""
@@ -611,35 +552,13 @@ class AlgorithmState:
     def use_scaler(self, scaler) -> None:
         """Keep ``scaler``'s scale (a ``torch.amp.GradScaler``) equal on every rank: at a sync where the
         ranks' scales differ, all take the smallest (one 8-byte allreduce, only then)."""
-        self.scaler = scaler
-
-    def _equalize_scales(self, group) -> None:
-        if self.scaler is None:
-            if self.reduces_gradients and not self._warned_scales:
-                self._warned_scales = True
-                warnings.warn(
-                    f"{self.display_name}: the ranks' GradScaler scales differ (a rank overflowed during local steps); "
-                    "the next gradient-averaging steps would average gradients scaled by different factors. Pass "
-                    "the scaler: state.use_scaler(scaler) or commhooks.ddp.register(..., scaler=scaler)",
-                    stacklevel=user_stacklevel())
-            return
-        scale = self.scaler._scale  # GradScaler keeps it as a one-element tensor
-        lowest = -scale.detach().double().reshape(1).to(self.device)
-        self.comm.allreduce([lowest], op="max", group=group, tag="amp-scale", metered=False)
-        scale.copy_((-lowest).to(device=scale.device, dtype=scale.dtype).reshape(scale.shape))
-        self.scaler._growth_tracker.zero_()  # restart growth from the common scale, as after a backoff
+        self.alignment.scaler = scaler
 
     def agree_on_period(self, local: Optional[int]) -> Optional[int]:
         """The period every rank uses: the max over ranks, inside a Join context (a joined rank, whose lr no
         longer moves, sends 0) or when the engine may leave some ranks' lr behind (``lr_may_differ``).
         Otherwise ``local`` unchanged, no communication."""
-        joining = self._join_config is not None and self._join_config.enable
-        if not (joining or self.engine.lr_may_differ) or self.comm.size == 1:
-            return local
-        value = torch.tensor([0.0 if self.joined or local is None else float(local)], dtype=torch.float64,
-                             device=self.device)
-        self.comm.allreduce([value], op="max", tag="join", metered=False)
-        return int(value.item())
+        return self.alignment.agree_on_period(local)
 
     def sync_named(self) -> List[Tuple[str, torch.Tensor]]:
         """Everything a sync makes identical, by name (what ``check_every`` compares); subclasses extend it."""
@@ -671,16 +590,12 @@ class AlgorithmState:
         Called before each sync (local check; a handshake only when something changed, and then on every
         rank that made the same change, as ranks running the same code do).  Returns the new names.
         """
-        current = self._named_parameters(None if not self._names_given else [
-            (n, p) for n, p in self.named_params])
-        known = {id(p) for _, p in self.named_params}
-        new = [(n, p) for n, p in current if id(p) not in known]
+        new = self.parameter_set.new()
         if not new:
             return []
         verify_same_everywhere(self.comm, f"the {self.display_name} hook's new parameters",
                                {"new": [(n, tuple(p.shape)) for n, p in new], "step": self.step})
-        self.named_params = self.named_params + new
-        self._name_of = {id(p): n for n, p in self.named_params}
+        self.parameter_set.add(new)
         self._guard.extend([n for n, _ in new])
         self._warn_unoptimized(new)
         self.parameters_added(new)
@@ -724,10 +639,7 @@ class AlgorithmState:
     def _warn_unoptimized(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
         """Trainable model parameters in none of the optimizers given: another optimizer that steps them after a
         sync makes the ranks differ again, silently.  A warning on every rank, naming them."""
-        if self.module is None or self._names_given:
-            return
-        covered = {id(p) for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
-        missing = [n for n, p in named if p.requires_grad and id(p) not in covered]
+        missing = self.parameter_set.unoptimized(named)
         if missing:
             warnings.warn(
                 f"{self.display_name}: trainable parameters in none of the optimizers given: {', '.join(missing[:8])}"
@@ -788,15 +700,13 @@ class AlgorithmState:
         for h in self._handles:
             h.remove()
         self._handles = []
-        for opt in self._amp_owned:
-            alignment.release_amp_scaling(opt)
-        self._amp_owned = []
+        self.alignment.release_amp()
 
     def state_dict(self) -> dict:
         """The counters and the subclass's :meth:`algorithm_state_dict` (tensors and plain types only).  Refused
         (NonFiniteError) after a NaN/Inf gradient under ``nonfinite="raise"``: the weights may hold it."""
         if self.nonfinite_seen():
-            self._raise_nonfinite(1, f"checkpoint at step {self.step}")
+            self.alignment.raise_nonfinite(1, f"checkpoint at step {self.step}")
         return {"step": self.step, "syncs": self.syncs, "skipped_steps": self.skipped_steps,
                 "config": to_dict(self.config), "meter": self.meter.snapshot(), **self.algorithm_state_dict()}
 
@@ -821,34 +731,20 @@ class AlgorithmState:
 
     @property
     def allreduce_bytes_per_step(self) -> int:
-        """What plain data parallelism sends per rank per optimizer step: one fp32 allreduce payload of the
-        model's trainable parameters (the baseline of ``report()["bytes_vs_allreduce"]``)."""
-        params = (p for p in self.module.parameters() if p.requires_grad) if self.module is not None else (
-            p for _, p in self.named_params)
-        return 4 * sum(p.numel() for p in params)
+        """What plain data parallelism sends per rank per optimizer step (the baseline of ``bytes_vs_allreduce``)."""
+        return reporting.allreduce_bytes_per_step(self)
 
     def report(self) -> dict:
         """What the algorithm did, as a plain dict for logs and your own logger (W&B, TensorBoard): steps,
         syncs, bytes sent (total and per tag), what plain allreduce would have sent, plus
         :meth:`algorithm_report`."""
-        sent, dense = self.meter.bytes(), self.step * self.allreduce_bytes_per_step
-        memory = self.memory()
-        weights = sum(p.numel() * p.element_size() for _, p in self.named_params)
-        return {"algorithm": self.name, "step": self.step, "syncs": self.syncs, "skipped_steps": self.skipped_steps,
-                "bytes": sent, "bytes_by_tag": self.meter.by_tag(), "allreduce_bytes": dense,
-                "bytes_vs_allreduce": round(sent / dense, 4) if dense else None,
-                "memory_bytes": memory, "memory_vs_weights": round(memory["total"] / weights, 3) if weights else None,
-                **self.algorithm_report()}
+        return reporting.report(self)
 
     def memory(self) -> Dict[str, int]:
         """Bytes of device memory the algorithm keeps beyond the model and its optimizer, by kind (anchor,
         outer momentum, residual, sync buffers, syncs in flight, AB bases ...), and their ``total``.  Users
         size their runs by it: each fp32 copy of the synced tensors costs 4 bytes per element."""
-        kinds = dict(self.algorithm_memory())
-        if self._guard.first is not None:
-            kinds["nonfinite_guard"] = self._guard.first.numel() * 8
-        kinds["total"] = sum(kinds.values())
-        return kinds
+        return reporting.memory(self)
 
     def algorithm_memory(self) -> Dict[str, int]:
         """Subclass hook: the bytes the algorithm keeps, by kind."""
@@ -864,19 +760,11 @@ class AlgorithmState:
 
     def log_line(self) -> str:
         """The ``log_every`` line: step, the algorithm's :meth:`status`, syncs, bytes against plain allreduce."""
-        sent, dense = self.meter.bytes(), self.step * self.allreduce_bytes_per_step
-        share = f" ({sent / dense:.1%})" if dense else ""
-        status = self.status()
-        return (f"{self.display_name} step {self.step}{' | ' + status if status else ''} | syncs {self.syncs} | "
-                f"sent {sent / 1e6:.2f} MB{share} of plain allreduce's {dense / 1e6:.2f} MB")
+        return reporting.log_line(self)
 
     def format_report(self) -> str:
         """:meth:`report` as lines for a log."""
-        r = self.report()
-        head = f"{type(self).__name__} report: step {r['step']}, syncs {r['syncs']}, {r['bytes'] / 1e6:.2f} MB sent"
-        rest = [f"  {k}: {v}" for k, v in r.items() if k not in ("algorithm", "step", "syncs", "bytes", "bytes_by_tag")]
-        tags = "  bytes by tag: " + ", ".join(f"{t}={b / 1e6:.2f}MB" for t, b in sorted(r["bytes_by_tag"].items()))
-        return "\n".join([head, *rest, tags])
+        return reporting.format_report(self)
 
     def wrap_scheduler(self, scheduler):
         """The lr scheduler to step in place of ``scheduler`` (an algorithm may shape the lr around its

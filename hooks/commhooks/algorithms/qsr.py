@@ -292,7 +292,7 @@ class QSRState(AlgorithmState):
         """The replica groups; and the outer optimizer's class and settings, which every rank must share."""
         facts: dict = {"replica_groups": self.replica_ranks}
         if self.outer_optimizer is not None:
-            probe = self.outer_optimizer([torch.zeros(1)])
+            probe = self.outer_optimizer([torch.zeros(1, device=self.device)])
             facts["outer_optimizer"] = [type(probe).__name__, repr(sorted(probe.defaults.items()))]
         return facts
 

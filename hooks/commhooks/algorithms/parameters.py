@@ -1,0 +1,90 @@
+"""The tensors a state covers, by name, and the ones that join or go missing while training runs.
+
+A state syncs the model's trainable parameters (by name: config patterns
+match those), then any other tensor an optimizer holds (named by its place
+in it), or the tensors an engine handed over instead (DeepSpeed's fp32
+masters).  Training changes that set: a layer unfrozen or a parameter group
+added later is found before the next sync (:meth:`ParameterSet.new`); a
+trainable parameter the engine never hands over (a layer unfrozen after DDP
+built its buckets) is a *stray* the state reduces itself.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+Named = List[Tuple[str, torch.Tensor]]
+
+
+class ParameterSet:
+    """The named tensors of a state; ``names_given``: the engine handed them over (not the module's own)."""
+
+    def __init__(self, module: Optional[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                 named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]], master_slices: Optional[dict]):
+        self.module, self.optimizers, self.slices = module, list(optimizers), master_slices or {}
+        self.named: Named = self.collect(named_parameters)
+        # the module's parameters are re-read at each sync, unless the engine handed over other tensors
+        # (DeepSpeed's fp32 masters) to sync in their place
+        own = {id(p) for p in module.parameters()} if module is not None else set()
+        self.names_given = module is None or not {id(p) for _, p in self.named} <= own
+        self.name_of: Dict[int, str] = {id(p): n for n, p in self.named}
+
+    def collect(self, named_parameters) -> Named:
+        """The trainable parameters covered: the given ones or the module's (by name), then any other the
+        optimizers hold (named by their place in them)."""
+        if named_parameters is not None:
+            named = list(named_parameters)
+        elif self.module is not None:
+            named = list(self.module.named_parameters())
+        else:
+            named = []
+        named = [(n, p) for n, p in named if p.requires_grad or id(p) in self.slices]
+        seen = {id(p) for _, p in named}
+        seen |= {id(flat) for flat, _, _ in self.slices.values()}  # covered by its views
+        for k, opt in enumerate(self.optimizers):
+            where = "optimizer" if len(self.optimizers) == 1 else f"optimizer[{k}]"
+            for i, group in enumerate(opt.param_groups):
+                for j, p in enumerate(group["params"]):
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        named.append((f"{where}.param_groups[{i}][{j}]", p))
+        return named
+
+    def new(self) -> Named:
+        """Parameters that became trainable or joined an optimizer since (local, no collective)."""
+        current = self.collect(None if not self.names_given else list(self.named))
+        known = {id(p) for _, p in self.named}
+        return [(n, p) for n, p in current if id(p) not in known]
+
+    def add(self, new: Named) -> None:
+        self.named = self.named + list(new)
+        self.name_of = {id(p): n for n, p in self.named}
+
+    def trainable(self) -> List[torch.Tensor]:
+        """Every parameter a step may change now: the module's trainable ones and every optimizer's."""
+        seen, out = set(), []
+        if self.module is not None and not self.names_given:
+            for p in self.module.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        else:
+            for _, p in self.named:
+                seen.add(id(p))
+                out.append(p)
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad and id(p) not in seen:
+                        seen.add(id(p))
+                        out.append(p)
+        return out
+
+    def unoptimized(self, named: Sequence[Tuple[str, torch.Tensor]]) -> List[str]:
+        """Trainable model parameters of ``named`` in none of the optimizers (only for the module's own)."""
+        if self.module is None or self.names_given:
+            return []
+        covered = {id(p) for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
+        return [n for n, p in named if p.requires_grad and id(p) not in covered]

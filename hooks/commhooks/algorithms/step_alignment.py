@@ -1,0 +1,142 @@
+"""The state's collaborator that keeps every rank on one schedule (the mechanisms are :mod:`.alignment`'s).
+
+It owns what a state needs to prove, at each sync, that the ranks are where
+they should be, and to act when they are not:
+
+* the GradScaler takeover (the scaler always calls ``optimizer.step()``; an
+  overflowed step is dropped here and still counts) and the scaler whose
+  scale the syncs keep equal (``use_scaler``);
+* the NaN/Inf guard (``nonfinite``): recorded on the device, read at the next
+  sync or checkpoint, so no host stall per step under ``"raise"``;
+* the step proof riding in each sync's payload, and its check afterwards
+  (DivergenceError / NonFiniteError on every rank alike);
+* the lr-dependent period every rank uses inside a Join or when an engine may
+  leave some ranks' lr behind.
+
+The state keeps the public names (``step_proof``, ``check_proof``,
+``use_scaler``, ``agree_on_period`` ...) as one-line delegates.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import alignment
+from .consistency import NonFiniteError, NonfiniteGuard, skip_gradients
+
+
+class StepAlignment:
+    """Scaler, NaN guard, step proofs and period agreement of one :class:`~.base.AlgorithmState`."""
+
+    def __init__(self, state, names: Sequence[str]):
+        self.state = state
+        self.guard = NonfiniteGuard(list(names))
+        self.scaler = None  # a torch.amp.GradScaler whose scale the syncs keep equal (use_scaler)
+        self.last_scale: Optional[torch.Tensor] = None  # the scale a GradScaler handed to the last step (device)
+        self.amp_owned: List[torch.optim.Optimizer] = []
+        self._warned_scales = False
+
+    # ------------------------------------------------------------ each step
+    def take_over_amp(self, optimizers) -> None:
+        """GradScaler calls ``step()`` of these optimizers always; the state unscales or drops (fused ones keep
+        their own handling)."""
+        self.amp_owned = [opt for opt in optimizers if alignment.take_over_amp_scaling(opt)]
+
+    def release_amp(self) -> None:
+        for opt in self.amp_owned:
+            alignment.release_amp_scaling(opt)
+        self.amp_owned = []
+
+    def scaler_step(self, optimizer, params) -> tuple:
+        """What a GradScaler handed this step: ``(dropped, checked)``: the update was dropped on an overflow
+        (one host read, as torch's own ``GradScaler.step`` makes); the scaler checked these gradients (then it,
+        not the guard, decides)."""
+        grad_scale, found_inf = alignment.scaler_inputs(optimizer)
+        if grad_scale is not None:
+            self.last_scale = grad_scale.detach()  # a fresh tensor each step (scale * 1): no copy, no host read
+        if found_inf is None:
+            return False, False
+        owned = any(optimizer is o for o in self.amp_owned)
+        return owned and alignment.apply_scaler(optimizer, params, grad_scale, found_inf), True
+
+    def guard_step(self, params: Sequence[torch.Tensor]) -> bool:
+        """The ``nonfinite`` policy on these gradients: ``"raise"`` records on the device (read at the next sync,
+        no host stall); ``"skip"`` drops the update now (one host read per step).  True if dropped."""
+        state = self.state
+        own = {id(p) for p in params}
+        positions = [(i, p) for i, (_, p) in enumerate(state.named_params) if id(p) in own]
+        skip = state.config.nonfinite == "skip"
+        bad = self.guard.observe([(i, p.grad) for i, p in positions], state.step, record=not skip)
+        return skip and skip_gradients([(state.named_params[i][0], p) for i, p in positions], bad)
+
+    # ------------------------------------------------------------ each sync
+    def proof(self) -> torch.Tensor:
+        """This rank's step proof (GradScaler scale, NaN/Inf record), on the synced tensors' device."""
+        state = self.state
+        scale = self.scaler._scale if self.scaler is not None and self.scaler._scale is not None else self.last_scale
+        return alignment.step_proof(state.step, scale, self.guard.indicator(state.device), state.device)
+
+    def check(self, mean: torch.Tensor, group, tag: str, step: Optional[int] = None) -> None:
+        """After a sync: the same step everywhere (else DivergenceError on every rank), no NaN/Inf gradient on
+        any rank (else NonFiniteError on every rank); GradScaler scales that parted made equal."""
+        state = self.state
+        size = state.comm.size if group is None else group.size
+        step = state.step if step is None else step
+        sums = alignment.proof_sums(mean, size)  # the sync's one host read of its proof
+        alignment.check_step_proof(sums, step, size, state.comm.rank, f"{state.display_name} {tag} at step {step}")
+        bad = alignment.nonfinite_ranks(sums)
+        if bad:
+            self.raise_nonfinite(bad, f"{tag} at step {state.step}")
+        if alignment.scales_differ(sums, size):
+            self.equalize_scales(group)
+
+    def raise_nonfinite(self, ranks: int, where: str) -> None:
+        raise NonFiniteError(
+            f"NaN or Inf gradient on {ranks} rank(s) since the last sync, found at the {self.state.display_name} "
+            f"{where}: {self.guard.message(self.state.comm.rank)} (nonfinite='raise' checks on the device and reads "
+            "the record at each sync and checkpoint; set nonfinite='skip' to skip such steps instead)")
+
+    def refuse_everywhere(self, where: str) -> None:
+        """NonFiniteError on every rank if any rank saw a NaN/Inf gradient (one flag allreduce, a host read)."""
+        state = self.state
+        flag = self.guard.indicator(state.device)
+        if state.comm.size > 1:
+            state.comm.allreduce([flag], op="sum", tag="check", metered=False)
+        ranks = int(flag.item())
+        if ranks:
+            self.raise_nonfinite(ranks, where)
+
+    def equalize_scales(self, group) -> None:
+        """Every rank of ``group`` takes the smallest GradScaler scale (or a warning once, without the scaler)."""
+        state = self.state
+        if self.scaler is None:
+            if state.reduces_gradients and not self._warned_scales:
+                from .base import user_stacklevel
+
+                self._warned_scales = True
+                warnings.warn(
+                    f"{state.display_name}: the ranks' GradScaler scales differ (a rank overflowed during local "
+                    "steps); the next gradient-averaging steps would average gradients scaled by different factors. "
+                    "Pass the scaler: state.use_scaler(scaler) or commhooks.ddp.register(..., scaler=scaler)",
+                    stacklevel=user_stacklevel())
+            return
+        scale = self.scaler._scale  # GradScaler keeps it as a one-element tensor
+        lowest = -scale.detach().double().reshape(1).to(state.device)
+        state.comm.allreduce([lowest], op="max", group=group, tag="amp-scale", metered=False)
+        scale.copy_((-lowest).to(device=scale.device, dtype=scale.dtype).reshape(scale.shape))
+        self.scaler._growth_tracker.zero_()  # restart growth from the common scale, as after a backoff
+
+    def agree_on_period(self, local: Optional[int]) -> Optional[int]:
+        """The max over ranks inside a Join context (a joined rank sends 0) or when the engine may leave some
+        ranks' lr behind (``lr_may_differ``); otherwise ``local``, no communication."""
+        state = self.state
+        joining = state._join_config is not None and state._join_config.enable
+        if not (joining or state.engine.lr_may_differ) or state.comm.size == 1:
+            return local
+        value = torch.tensor([0.0 if state.joined or local is None else float(local)], dtype=torch.float64,
+                             device=state.device)
+        state.comm.allreduce([value], op="max", tag="join", metered=False)
+        return int(value.item())
