@@ -2,6 +2,9 @@
 
 import math
 
+import logging
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
 from commhooks.algorithms.alignment import STEP_PROOF_BYTES
+from commhooks.algorithms import pipeline
 from commhooks.algorithms.streaming import send_points, split_fragments
 from commhooks.config import ConfigError, load_config
 from tests.dist import run_ranks
@@ -142,6 +146,20 @@ def _worker(rank, world):
     conf = {"type": "qsr", "h_base": 4, "alpha": 0.0, "overlap_steps": 1, "overlap_merge": "mix",
             "overlap_alpha": 0.5, "fragments": 2}
     out["forced"] = _forced_sync(conf, 8)
+    # the timeline of the pipeline's docstring, as the DEBUG log of a run shows it
+    lines = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("commhooks")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        _qsr_run(_qsr(6, 12, fragments=3, overlap_steps=1), 12)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    out["timeline"] = lines
     return out
 
 
@@ -159,6 +177,35 @@ def test_streamed_sync_equals_the_written_out_reference(results, case):
     for r in results:
         hooked, reference = r[case][:2]
         assert _close(hooked, reference), {k: (hooked[k] - reference[k]).abs().max() for k in hooked}
+
+
+def _docstring_timeline():
+    """(optimizer step, "sent" / "landed", fragment) read off the table in commhooks.algorithms.pipeline's docstring
+    (a column's step: the header number above it; the next round's 1 is step 7)."""
+    table = [ln for ln in pipeline.__doc__.splitlines() if ln.strip().startswith(("step of round", "sent", "landed"))]
+    header = table[0]
+    columns = {m.start(): int(m.group()) for m in re.finditer(r"\d+", header)}
+    after_bar = header.index("|")
+    events = []
+    for line in table[1:]:
+        kind = line.split()[0]
+        for m in re.finditer(r"[sl](\d+)", line):
+            col = min(columns, key=lambda c: abs(c - m.start() - 1))
+            events.append((columns[col] + (6 if col > after_bar else 0), kind, int(m.group(1))))
+    return sorted(events)
+
+
+def test_the_docstring_timeline_is_what_a_run_logs(results):
+    expected = _docstring_timeline()
+    assert expected == [(2, "sent", 0), (3, "landed", 0), (4, "sent", 1), (5, "landed", 1), (6, "sent", 2),
+                        (7, "landed", 2)]  # the parse itself
+    for r in results:
+        got = []
+        for line in r["timeline"]:
+            m = re.match(r"QSR step (\d+): fragment (\d+) (sent|landed)", line)
+            if m and int(m.group(1)) <= 7:
+                got.append((int(m.group(1)), m.group(3), int(m.group(2))))
+        assert sorted(got) == expected, r["timeline"]
 
 
 def test_overlapped_syncs_stay_in_flight_and_the_last_lands_at_total_steps(results):

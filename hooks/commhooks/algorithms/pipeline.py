@@ -32,9 +32,10 @@ later, never after ``total_steps`` (the last round of a known run ends with
 every fragment sent and landed at once: the ranks end identical).  A
 fragment whose previous sync is still in flight lands before it is sent
 again.  With ``fragments=1, overlap_steps=0`` this is one blocking sync at
-the round's end, the plain case.  The ``log_every`` line and
-``report()["sync_steps"]`` show the steps a round ended at; syncs sent at
-step ``s`` carry proofs of step ``s`` and are checked when they land.
+the round's end, the plain case.  The logger ``commhooks`` at DEBUG prints one line per fragment sent and
+landed ("QSR step 2: fragment 0 sent, lands after step 3"; a test reads this
+table and compares it with those lines); syncs sent at step ``s`` carry
+proofs of step ``s`` and are checked when they land.
 
 **Hierarchical** (replica groups of k ranks): the cover's parameters are
 this rank's 1/k of the replica's, averaged over the same part of the other
@@ -46,6 +47,7 @@ group and take the world mean; moments follow the parameters' group.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -56,6 +58,11 @@ from .outer import OuterSync
 from .streaming import run_views, send_points, split_fragments, split_views
 
 Tensors = List[torch.Tensor]
+log = logging.getLogger("commhooks")  # DEBUG: one line per fragment sent and landed, to read against the timeline
+
+
+def _trace(host, event: str, k: int, at: int) -> None:
+    log.debug("%s step %d: fragment %d %s %d", host.display_name, host.step, k, event, at)
 
 
 class SyncCover:
@@ -152,6 +159,7 @@ class MeanSync:
         """The parameters' mean (with the moments; with the buffers too when the world is the group), then the
         parts shared inside the replica group."""
         c = self.cover
+        _trace(self.host, "sent, lands after step", k, apply_at)
         if c.across is None:
             self.host.average(c.params() + c.buffers() + c.moments(), tag="sync")
         else:
@@ -161,6 +169,7 @@ class MeanSync:
 
     def land(self, k: int) -> None:
         """Nothing left: :meth:`send` landed it."""
+        _trace(self.host, "landed, sent after step", k, self.host.step)
 
     def finish_round(self) -> None:
         """Buffers a sharded mean left out: the world mean."""
@@ -312,6 +321,7 @@ class OuterSteps:
 
     def send(self, k: int, apply_at: int, scale: float = 1.0) -> None:
         host = self.host
+        _trace(host, "sent, lands after step", k, apply_at)
         with host.collective_context():
             self.streams.send(k, host.comm, self.cover.sent(), host.step_proof(), host.step, apply_at,
                               group=self.cover.across, tag="sync", seed=host.rounding_seed(), scale=scale)
@@ -322,6 +332,7 @@ class OuterSteps:
         with host.collective_context():
             proofs, sent_at = self.streams.apply(k, self.cover.sent(), host.step)
             self.cover.share(host.comm, k, self.fragments)
+        _trace(host, "landed, sent after step", k, sent_at)
         host.check_proof(proofs, self.cover.across, "sync", step=sent_at)
         host.tensors_changed()
 
@@ -358,4 +369,7 @@ class OuterSteps:
         return self.streams.state_dict()
 
     def load_state_dict(self, state: Optional[dict]) -> None:
+        if state is None:
+            raise ValueError("the checkpoint holds no outer state (saved with plain averaging?); this state takes "
+                             "outer steps (outer_lr / outer_momentum / payload / overlap_steps / fragments)")
         self.streams.load_state_dict(state)

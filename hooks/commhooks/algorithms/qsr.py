@@ -440,8 +440,7 @@ class QSRState(AlgorithmState):
         self._complete_at = state.get("complete_at")
         if "lr_sums" in state and len(state["lr_sums"]) == len(self._lr_sums):
             self._lr_sums = [float(v) for v in state["lr_sums"]]
-        if self.outer is not None:
-            self.transport.load_state_dict(state["outer"])
+        self.transport.load_state_dict(state.get("outer"))
 
     def status(self) -> str:
         phase = "warm-up" if self.step < self.config.warmup_steps else "rule"
