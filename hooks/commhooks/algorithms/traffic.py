@@ -94,7 +94,7 @@ class Traffic:
     """What one rank sends over a run of ``len(timeline)`` optimizer steps.
 
     ``timeline[s - 1]``: the calls made during optimizer step ``s`` (its gradient reductions and whatever its
-    post-hook runs: a sync, a phase switch).  ``step``: the calls of a typical step between syncs; ``sync``:
+    post-hook runs: a sync, a phase switch); ``before``: those made before the first step (building the state).  ``step``: the calls of a typical step between syncs; ``sync``:
     those of one complete sync (both for the docs).  ``sync_steps``: the steps a sync completed at.
     ``exact``: False when the bytes are a bound (``note`` says which)."""
 
@@ -104,6 +104,7 @@ class Traffic:
     sync_steps: List[int] = dataclasses.field(default_factory=list)
     exact: bool = True
     note: str = ""
+    before: Tuple[Send, ...] = ()
 
     @property
     def steps(self) -> int:
@@ -111,7 +112,7 @@ class Traffic:
 
     def sends(self, kind: Optional[str] = None, tag: Optional[str] = None, scope: Optional[str] = None):
         """Every call of the run matching the filters."""
-        for calls in self.timeline:
+        for calls in [self.before, *self.timeline]:
             for c in calls:
                 if (kind is None or c.kind == kind) and (tag is None or c.tag == tag) and (
                         scope is None or c.scope == scope):
@@ -127,7 +128,7 @@ class Traffic:
     def by_tag(self, upto: Optional[int] = None) -> Dict[str, int]:
         """Bytes per tag over the run, or over its first ``upto`` steps (``meter.by_tag()`` then)."""
         out: Dict[str, int] = defaultdict(int)
-        for calls in self.timeline[:upto]:
+        for calls in [self.before, *self.timeline[:upto]]:
             for c in calls:
                 out[c.tag] += c.nbytes
         return dict(out)
