@@ -356,6 +356,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--config", help="comma-separated config files (JSON of any registered algorithm, a shipped "
                                     "config's name, or a DeepSpeed config with a comm_hook section): their rows "
                                     "and what a step and a sync send, with DDP's row for reference")
+    p.add_argument("--declarations", action="store_true",
+                   help="print what each config (--config, default: every shipped one) declares a step and a sync "
+                        "send on --model and the cluster layout, as a markdown table (the docs include it)")
     p.add_argument("--replica-groups", action="store_true",
                    help="configs with replica groups: groups of a node's ranks, hierarchical syncs across nodes")
     p.add_argument("--calibrate", help="a commhooks bench results.json: method overheads and compute from it")
@@ -376,6 +379,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     shapes = model_shapes(args.model)
     schedule = Schedule(args.steps, args.warmup, args.peak_lr)
     layout = Layout(args.nodes, args.ranks_per_node, args.inter_gbit, args.intra_gbit, args.latency_us)
+    if args.declarations:
+        print(declarations_table(args.config.split(",") if args.config else None, shapes, schedule, layout,
+                                 model_buffers(args.model)))
+        return 0
     overhead, compute = {}, args.compute_ms
     calibration = json.loads(open(args.calibrate).read())["methods"] if args.calibrate else None
     methods = _methods(args, schedule, shapes, layout)
@@ -409,6 +416,46 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   + ("" if t.exact else f"; a bound: {t.note}"))
             print(describe(t))
     return 0
+
+
+def _between(calls, layout: Layout) -> int:
+    return sum(c.nbytes for c in calls if c.scope == "across" or c.scope == "world" and layout.nodes > 1)
+
+
+def _where(calls, layout: Layout, bound: str = "") -> str:
+    """Bytes of ``calls`` by where they travel: between nodes, inside a node."""
+    across = _between(calls, layout)
+    inside = sum(c.nbytes for c in calls) - across
+    parts = [f"{bound}{across:,} between nodes" if across else "", f"{bound}{inside:,} in the node" if inside else ""]
+    return " + ".join(p for p in parts if p) or "0"
+
+
+def declarations_table(paths: Optional[Sequence[str]], shapes: Shapes, schedule: Schedule, layout: Layout,
+                       buffers: int = 0) -> str:
+    """A markdown table of what each config declares (rank 0): bytes a step and a sync send, and where; syncs,
+    bytes over the run between nodes and inside them, against DDP's.  ``paths=None``: every shipped config of a
+    registered algorithm."""
+    from .. import registry
+    from ..shipped import shipped_configs
+
+    if paths is None:
+        paths = [str(p) for p in shipped_configs().values()]
+    dense = _between(declared({"hook": DENSE}, shapes, schedule, layout, buffers=buffers).sends(), layout)
+    lines = ["| config | type | a step sends (bytes) | a sync sends (bytes) | syncs | between nodes, run | "
+             "in the node, run | between nodes vs DDP |", "|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        raw = read_config(path)
+        if not isinstance(raw, dict) or raw.get("type") not in registry.names():
+            continue
+        t = declared({"config": raw}, shapes, schedule, layout, buffers=buffers)
+        if t is None:
+            continue
+        bound = "" if t.exact else "<= "
+        between = _between(t.sends(), layout)
+        lines.append(f"| {Path(path).stem} | {raw['type']} | {_where(t.step, layout, bound)} | "
+                     f"{_where(t.sync, layout, bound)} | {t.syncs} | {bound}{between:,} | "
+                     f"{bound}{t.bytes() - between:,} | {bound}{between / dense:.4f} |")
+    return "\n".join(lines)
 
 
 def _compute_only(calibration: dict) -> float:
