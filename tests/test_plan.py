@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from commhooks.algorithms.alignment import STEP_PROOF_BYTES as PROOF
 from commhooks.tools import bench, plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,3 +94,20 @@ def test_plan_config_for_any_algorithm_hierarchical_included(tmp_path):
     table = subprocess.run([sys.executable, "-m", "commhooks.cli", "plan", *argv], capture_output=True, text=True,
                            check=True).stdout
     assert "| mine |" in table and "a sync: allgather" in table and "share-part" in table
+
+
+def test_plan_config_of_an_algorithm_registered_outside_the_package(tmp_path):
+    """--import registers the toy of tests/scripts (its own traffic declaration): --config then plans it."""
+    import os
+
+    conf = tmp_path / "toy.json"
+    conf.write_text(json.dumps({"type": "mean-every-step", "period": 4}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "scripts"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "commhooks.cli", "plan", "--import", "toy_algorithm", "--config",
+                          str(conf), "--compute-ms", "5", "--json"], capture_output=True, text=True, check=True,
+                         env=env).stdout
+    rows = {r["method"]: r for r in json.loads(out)}
+    n = sum(p.numel() for p in __import__("commhooks.tools.models", fromlist=["x"]).build_model("cnn").parameters())
+    assert rows["toy"]["syncs"] == 300 and rows["toy"]["bytes_per_step"] == 4 * n + (4 * n + PROOF) / 4
+    assert rows["toy"]["bytes_per_step"] > rows["DDP"]["bytes_per_step"] == 4 * n

@@ -52,7 +52,7 @@ def register_algorithm(config_class: type, state_class: type,
                        traffic: Optional[Union[Callable, str]] = None) -> Algorithm:
     """Register ``state_class`` under the name its ``config_class`` declares as ``type``; return the entry.
 
-    Registering the same pair again is a no-op (modules may be re-imported);
+    Registering the same pair again is a no-op (modules may be re-imported), or declares its ``traffic``;
     another pair under a taken name is a ValueError.
     """
     from .algorithms.base import AlgorithmState
@@ -70,7 +70,9 @@ def register_algorithm(config_class: type, state_class: type,
         raise TypeError(f"traffic must be a function (config, setting) -> Traffic or 'module:function', got {traffic!r}")
     entry = Algorithm(name, config_class, state_class, traffic)
     known = _ALGORITHMS.get(name)
-    if known is not None and known != entry:
+    if known is not None and (known.config_class, known.state_class) == (config_class, state_class):
+        entry = known if traffic is None else entry  # the same pair again: a no-op, or its traffic declared now
+    elif known is not None:
         raise ValueError(f"an algorithm named {name!r} is already registered ({known.state_class.__qualname__})")
     _ALGORITHMS[name] = entry
     state_class.config_class = config_class

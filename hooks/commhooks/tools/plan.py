@@ -356,6 +356,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--config", help="comma-separated config files (JSON of any registered algorithm, a shipped "
                                     "config's name, or a DeepSpeed config with a comm_hook section): their rows "
                                     "and what a step and a sync send, with DDP's row for reference")
+    p.add_argument("--import", dest="imports", default="", metavar="MODULE[,MODULE]",
+                   help="modules to import first: those that register your own algorithms (register_algorithm)")
     p.add_argument("--declarations", action="store_true",
                    help="print what each config (--config, default: every shipped one) declares a step and a sync "
                         "send on --model and the cluster layout, as a markdown table (the docs include it)")
@@ -367,6 +369,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--validate", metavar="RESULTS_JSON", help="compare predictions with a recorded benchmark")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
+    for module in (m for m in args.imports.split(",") if m):
+        import importlib
+
+        importlib.import_module(module)
     if args.validate:
         rows = validate(args.validate)
         if args.json:
