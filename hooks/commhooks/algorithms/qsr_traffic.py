@@ -127,4 +127,4 @@ def qsr_traffic(config, setting: Setting) -> Traffic:
                     send(k, t, step, False)
     size_of = {"world": s.world, "group": len(mine), "across": len(groups)}
     kept = lambda calls: tuple(x for x in calls if size_of[x.scope] > 1)  # noqa: E731  (groups of one: no call)
-    return Traffic([kept(calls) for calls in timeline], kept(every_step), kept(sync), sync_steps)
+    return Traffic([kept(calls) for calls in timeline], kept(every_step), kept(sync), sync_steps, group=len(mine))

@@ -96,7 +96,8 @@ class Traffic:
     ``timeline[s - 1]``: the calls made during optimizer step ``s`` (its gradient reductions and whatever its
     post-hook runs: a sync, a phase switch); ``before``: those made before the first step (building the state).  ``step``: the calls of a typical step between syncs; ``sync``:
     those of one complete sync (both for the docs).  ``sync_steps``: the steps a sync completed at.
-    ``exact``: False when the bytes are a bound (``note`` says which)."""
+    ``exact``: False when the bytes are a bound (``note`` says which).  ``group``: the ranks of this rank's
+    replica group (scope ``group``); a planner takes them for a node's ranks unless they are more."""
 
     timeline: List[Tuple[Send, ...]]
     step: Tuple[Send, ...] = ()
@@ -105,6 +106,7 @@ class Traffic:
     exact: bool = True
     note: str = ""
     before: Tuple[Send, ...] = ()
+    group: int = 1
 
     @property
     def steps(self) -> int:

@@ -207,10 +207,13 @@ class Load:
     measured: bool = False  # bytes taken from a benchmark, not from a declaration
 
     @classmethod
-    def of(cls, t: Declared) -> "Load":
+    def of(cls, t: Declared, layout: "Layout") -> "Load":
+        """``t`` averaged per step; a replica group larger than a node (its collectives cross the nodes) counts
+        as the world."""
+        names = {"world": "", "across": "_across", "group": "_intra" if t.group <= layout.ranks_per_node else ""}
         totals: Dict[str, int] = {}
         for c in t.sends():
-            scope = {"world": "", "across": "_across", "group": "_intra"}[c.scope]
+            scope = names[c.scope]
             totals[c.kind + scope] = totals.get(c.kind + scope, 0) + c.nbytes
             totals["calls" + scope] = totals.get("calls" + scope, 0) + 1
         return cls(**{k: v / max(1, t.steps) for k, v in totals.items()})
@@ -274,11 +277,11 @@ def predict(methods: Dict[str, dict], shapes: Shapes, layout: Layout, compute_ms
     for label, source in methods.items():
         t = declared(source, shapes, schedule, layout, proof, overrides, buffers)
         if t is not None and t.exact:
-            load = Load.of(t)
+            load = Load.of(t, layout)
         elif measured_bytes and label in measured_bytes:
             load = Load(allreduce=measured_bytes[label] / schedule.steps, calls=1, measured=True)
         elif t is not None:
-            load = Load.of(t)
+            load = Load.of(t, layout)
         else:
             continue
         step = compute_ms + (overhead_ms or {}).get(label, 0.0) + comm_ms(load, layout)
@@ -385,13 +388,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     shapes = model_shapes(args.model)
     schedule = Schedule(args.steps, args.warmup, args.peak_lr)
     layout = Layout(args.nodes, args.ranks_per_node, args.inter_gbit, args.intra_gbit, args.latency_us)
-    if args.declarations:
+    if args.declarations:  # (an unknown config file: ConfigError naming it)
         print(declarations_table(args.config.split(",") if args.config else None, shapes, schedule, layout,
                                  model_buffers(args.model)))
         return 0
     overhead, compute = {}, args.compute_ms
     calibration = json.loads(open(args.calibrate).read())["methods"] if args.calibrate else None
-    methods = _methods(args, schedule, shapes, layout)
+    from ..config import ConfigError
+
+    try:
+        methods = _methods(args, schedule, shapes, layout)
+    except (ConfigError, KeyError) as exc:  # an unknown config, algorithm or method: say which
+        p.error(str(exc).strip('"'))
     if calibration:
         base = _compute_only(calibration)
         overhead = {k: v["step_ms"]["unlimited"] - base for k, v in calibration.items()}
@@ -399,8 +407,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if compute is None:
         p.error("give --compute-ms (your model's step time without communication) or --calibrate")
     overrides = {"group_size": None, "hierarchical": True} if args.replica_groups else None
-    rows = predict(methods, shapes, layout, compute, schedule, overhead, overrides=overrides,
-                   buffers=model_buffers(args.model))
+    try:
+        rows = predict(methods, shapes, layout, compute, schedule, overhead, overrides=overrides,
+                       buffers=model_buffers(args.model))
+    except (ConfigError, KeyError) as exc:
+        p.error(str(exc).strip('"'))
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "declared"} for r in rows], indent=1))
         return 0
@@ -424,13 +435,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def _between(calls, layout: Layout) -> int:
-    return sum(c.nbytes for c in calls if c.scope == "across" or c.scope == "world" and layout.nodes > 1)
+def _between(calls, layout: Layout, group: int = 1) -> int:
+    """Bytes of ``calls`` that cross the nodes (a replica group larger than a node crosses them too)."""
+    world = ("world", "group") if group > layout.ranks_per_node else ("world",)
+    return sum(c.nbytes for c in calls if c.scope == "across" or c.scope in world and layout.nodes > 1)
 
 
-def _where(calls, layout: Layout, bound: str = "") -> str:
+def _where(calls, layout: Layout, bound: str = "", group: int = 1) -> str:
     """Bytes of ``calls`` by where they travel: between nodes, inside a node."""
-    across = _between(calls, layout)
+    across = _between(calls, layout, group)
     inside = sum(c.nbytes for c in calls) - across
     parts = [f"{bound}{across:,} between nodes" if across else "", f"{bound}{inside:,} in the node" if inside else ""]
     return " + ".join(p for p in parts if p) or "0"
@@ -457,9 +470,9 @@ def declarations_table(paths: Optional[Sequence[str]], shapes: Shapes, schedule:
         if t is None:
             continue
         bound = "" if t.exact else "<= "
-        between = _between(t.sends(), layout)
-        lines.append(f"| {Path(path).stem} | {raw['type']} | {_where(t.step, layout, bound)} | "
-                     f"{_where(t.sync, layout, bound)} | {t.syncs} | {bound}{between:,} | "
+        between = _between(t.sends(), layout, t.group)
+        lines.append(f"| {Path(path).stem} | {raw['type']} | {_where(t.step, layout, bound, t.group)} | "
+                     f"{_where(t.sync, layout, bound, t.group)} | {t.syncs} | {bound}{between:,} | "
                      f"{bound}{t.bytes() - between:,} | {bound}{between / dense:.4f} |")
     return "\n".join(lines)
 

@@ -124,4 +124,4 @@ def ab_traffic(config, setting: Setting) -> Traffic:
     note = "" if exact else ("AB's ranks come from the data: every layer counted dense (an upper bound); give "
                              "factor_ranks for the exact bytes")
     return Traffic([kept(calls) for calls in timeline], kept(typical_step), kept(typical_sync), sync_steps,
-                   exact=exact, note=note, before=kept(before))
+                   exact=exact, note=note, before=kept(before), group=group_size)
