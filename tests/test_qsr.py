@@ -348,7 +348,8 @@ def test_hierarchical_replica_sync_is_the_same_sync_with_half_the_traffic_across
         traffic = declared({"type": "qsr", "h_base": 3, "group_size": 2, "hierarchical": True}, small_model(False),
                            world=4, steps=9, rank=rank)
         assert traffic.sync == tuple(commhooks.algorithms.traffic.Send(kind, b, tag, scope) for kind, b, tag, scope in (
-            ("allreduce", 4 * half + STEP_PROOF_BYTES, "sync", "across"), ("broadcast", 4 * half, "share-part", "group")))
+            ("allreduce", 4 * half + STEP_PROOF_BYTES, "sync", "across"),
+            ("broadcast", 4 * half, "share-part", "group")))
         assert by_tag == [traffic.at(step + 1) for step in range(9)]  # share-part: counted at its source
     outer = {"outer_lr": 0.7, "outer_momentum": 0.9, "payload": "bf16", "overlap_steps": 1}
     flat = run_ranks(_replica_groups, 4, timeout=180, steps=9, h_base=3, extra=outer)

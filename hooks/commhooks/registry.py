@@ -67,7 +67,8 @@ def register_algorithm(config_class: type, state_class: type,
     if not isinstance(name, str) or not name or name == "none":
         raise ValueError(f"{config_class.__name__} needs a field `type: Literal['<name>'] = '<name>'` (not 'none')")
     if traffic is not None and not (callable(traffic) or isinstance(traffic, str) and ":" in traffic):
-        raise TypeError(f"traffic must be a function (config, setting) -> Traffic or 'module:function', got {traffic!r}")
+        raise TypeError(f"traffic must be a function (config, setting) -> Traffic or 'module:function', "
+                        f"got {traffic!r}")
     entry = Algorithm(name, config_class, state_class, traffic)
     known = _ALGORITHMS.get(name)
     if known is not None and (known.config_class, known.state_class) == (config_class, state_class):

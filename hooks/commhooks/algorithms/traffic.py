@@ -94,8 +94,9 @@ class Traffic:
     """What one rank sends over a run of ``len(timeline)`` optimizer steps.
 
     ``timeline[s - 1]``: the calls made during optimizer step ``s`` (its gradient reductions and whatever its
-    post-hook runs: a sync, a phase switch); ``before``: those made before the first step (building the state).  ``step``: the calls of a typical step between syncs; ``sync``:
-    those of one complete sync (both for the docs).  ``sync_steps``: the steps a sync completed at.
+    post-hook runs: a sync, a phase switch); ``before``: those made before the first step (building the state).
+    ``step``: the calls of a typical step between syncs; ``sync``: those of one complete sync (both for the
+    docs).  ``sync_steps``: the steps a sync completed at.
     ``exact``: False when the bytes are a bound (``note`` says which).  ``group``: the ranks of this rank's
     replica group (scope ``group``); a planner takes them for a node's ranks unless they are more."""
 
@@ -168,7 +169,8 @@ def averaged(numel: int, setting: Setting, tag: str, scope: str) -> List[Send]:
 
 
 def runs(total: int, count: int) -> List[int]:
-    """Lengths of ``count`` equal runs of ``total`` elements (:func:`~commhooks.algorithms.streaming.split_fragments`)."""
+    """Lengths of ``count`` equal runs of ``total`` elements
+    (:func:`~commhooks.algorithms.streaming.split_fragments`)."""
     edges = [total * k // count for k in range(count + 1)]
     return [b - a for a, b in zip(edges[:-1], edges[1:])]
 

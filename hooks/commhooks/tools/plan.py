@@ -338,7 +338,8 @@ def validate(bench_json: str) -> List[dict]:
             predicted, measured = row[0]["step_ms"], m["step_ms"][bw]
             rows.append({"method": name, "link": bw, "predicted_ms": round(predicted, 2), "measured_ms": measured,
                          "error": round(predicted / measured - 1, 3), "bytes_measured": row[0]["bytes_measured"],
-                         "declared_bytes": None if row[0]["bytes_measured"] else round(row[0]["bytes_per_step"] * schedule.steps),
+                         "declared_bytes": None if row[0]["bytes_measured"] else round(
+                             row[0]["bytes_per_step"] * schedule.steps),
                          "payload_bytes": m["payload_bytes_per_rank"]})
     return rows
 
@@ -422,7 +423,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{args.model}: {n / 1e6:.2f} M parameters; {layout.nodes} nodes x {layout.ranks_per_node} ranks, "
           f"{layout.inter_gbit:g} Gbit/s between nodes, {layout.intra_gbit:g} inside; compute {compute:.2f} ms/step; "
           f"{schedule.steps} steps (predictions, not measurements)")
-    print("| method | bytes/rank/step | between nodes | syncs | predicted ms/step | vs DDP |\n|---|---|---|---|---|---|")
+    print("| method | bytes/rank/step | between nodes | syncs | predicted ms/step | vs DDP |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
         speedup = "—" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.2f}x"
         how = " (measured)" if r["bytes_measured"] else " (bound)" if r["bytes_bound"] else ""

@@ -5,7 +5,8 @@ Registered with the algorithm; the meter tests and ``commhooks plan`` read AB's 
 re-basis takes them from the weights' singular values.  So the declaration is exact for given ranks
 (``setting.factor_ranks``: layer -> rank as trained, None = kept dense, one mapping for every phase or a list,
 one per phase) and otherwise an upper bound (``exact=False``): every layer dense, which no rank exceeds
-(``m k <= m n``, ``k n <= m n``; ``(m + n) k <= m n`` with ``min_compression_rate >= 1``).  Per rank, ``N`` parameter elements, a layer seen tall (``m >= n``):
+(``m k <= m n``, ``k n <= m n``; ``(m + n) k <= m n`` with ``min_compression_rate >= 1``).  Per rank, ``N``
+parameter elements, a layer seen tall (``m >= n``):
 
 * warm-up and full-rank steps: the world's gradient mean, ``4 N`` (``full-grad``);
 * AB steps, in the group (none with ``local_group_steps`` or groups of one): an A-rank ``4 m k`` per
