@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import commhooks
 from commhooks import config, registry
 from commhooks.algorithms.alignment import STEP_PROOF_BYTES
+from commhooks.algorithms.traffic import Send, Setting
 from commhooks.config import ConfigError, load_config, to_dict
 from tests.dist import run_ranks
 
@@ -37,7 +38,11 @@ def test_registry_knows_the_toy_and_refuses_a_clash():
         load_config({"type": "mean-every-step", "period": 0})
     with pytest.raises(ConfigError, match=r"config\.type must be one of 'none', 'qsr', 'ab', 'mean-every-step'"):
         load_config({"type": "mean-every-stp"})
+    declared = registry.get("mean-every-step").traffic
     commhooks.register_algorithm(MeanEveryStepConfig, MeanEveryStepState)  # the same pair again: a no-op
+    assert registry.get("mean-every-step").traffic is declared  # (its traffic declaration kept)
+    with pytest.raises(TypeError, match="traffic must be"):
+        commhooks.register_algorithm(MeanEveryStepConfig, MeanEveryStepState, traffic=3)
 
     class Other(MeanEveryStepState):
         pass
@@ -72,7 +77,10 @@ def test_toy_algorithm_runs_under_ddp_with_no_adapter_change():
         for a, b in zip(plain, toy):
             assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
         assert (step, syncs) == (7, 2)
-        assert tags == {"grad": 4 * numel * 7, "sync": (4 * numel + STEP_PROOF_BYTES) * 2}
+        traffic = registry.declared_traffic(load_config(TOY), Setting.of([(str(i), t.shape) for i, t in
+                                                                          enumerate(plain)], steps=7))
+        assert tags == traffic.by_tag() and traffic.sync_steps == [3, 6]  # the meter counts what the toy declares
+        assert traffic.sync == (Send("allreduce", 4 * numel + STEP_PROOF_BYTES, "sync"),)
         assert report["algorithm"] == "mean-every-step" and report["syncs"] == 2
 
 

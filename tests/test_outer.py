@@ -1,7 +1,5 @@
 """DiLoCo-style syncs: the outer optimizer, compressed payloads (bf16, int8), error feedback, exact resume."""
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,6 +13,8 @@ from commhooks.algorithms.alignment import STEP_PROOF_BYTES
 from commhooks.algorithms.outer import OuterSync
 from commhooks.comm.torch_dist import TorchComm
 from commhooks.config import ConfigError, load_config
+from commhooks.algorithms.traffic import Send
+from tests.declared import declared
 from tests.dist import run_ranks
 
 SGD = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
@@ -155,10 +155,13 @@ def test_nesterov_outer_step_equals_reference(results):
 
 def test_meter_counts_compressed_bytes_exactly(results):
     for r in results:
-        n = r["int8"]["numel"]
         assert r["bf16"]["syncs"] == r["int8"]["syncs"] == 3
-        assert r["bf16"]["tags"] == {"anchor": 4 * n, "sync": 3 * (STEP_PROOF_BYTES + 2 * n)}
-        assert r["int8"]["tags"] == {"anchor": 4 * n, "sync": 3 * (STEP_PROOF_BYTES + n + 4 * math.ceil(n / 256))}
+        for codec in ("bf16", "int8"):  # the meter's bytes by tag are those QSR declares: the anchor, 3 payloads
+            conf = {"type": "qsr", "h_base": 3, "alpha": 0.0, "payload": codec, "error_feedback": True, "total_steps": 9}
+            traffic = declared(conf, _net(), steps=9)
+            assert r[codec]["tags"] == traffic.by_tag() and traffic.syncs == 3 and traffic.calls(tag="sync") == 3
+            assert traffic.sync == (Send("allgather", STEP_PROOF_BYTES + payload.payload_nbytes(r[codec]["numel"], codec),
+                                         "sync"),)
         assert r["int8"]["residual"].abs().max() > 0  # error feedback kept what int8 lost
     for codec in ("bf16", "int8"):  # every rank decodes the same mean: identical weights after the last sync
         a, b = results[0][codec]["weights"], results[1][codec]["weights"]

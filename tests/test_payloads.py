@@ -22,6 +22,8 @@ import commhooks
 from commhooks.algorithms import payload
 from commhooks.algorithms.alignment import STEP_PROOF_BYTES
 from commhooks.algorithms.payload import Codec
+from commhooks.algorithms.traffic import Send
+from tests.declared import declared
 from tests.dist import run_ranks
 
 
@@ -228,7 +230,10 @@ def through_ddp():
 def test_payloads_through_ddp_exact_bytes_identical_ranks_exact_resume(through_ddp, name):
     r0, r1 = through_ddp[0][name], through_ddp[1][name]
     assert r0["syncs"] == 4, r0
-    assert r0["tags"] == {"anchor": 4 * r0["n"], "sync": r0["syncs"] * (STEP_PROOF_BYTES + r0["nbytes"])}, r0["tags"]
+    conf = {"type": "qsr", "h_base": 3, "error_feedback": True, "total_steps": 12, "check_every": 1, **CONFIGS[name]}
+    traffic = declared(conf, _net())
+    assert r0["tags"] == r1["tags"] == traffic.by_tag(), r0["tags"]  # the meter counts what QSR declares
+    assert traffic.sync == (Send("allgather", STEP_PROOF_BYTES + r0["nbytes"], "sync"),) and traffic.syncs == 4
     assert r0["after_sync"] == r1["after_sync"]  # identical after every sync (check_every=1 checked it too)
     assert r0["resume_exact"] and r1["resume_exact"]
 

@@ -13,6 +13,7 @@ import commhooks
 from commhooks.algorithms.alignment import STEP_PROOF_BYTES
 from commhooks.config import QSRConfig
 from commhooks.algorithms.qsr import qsr_period
+from tests.declared import declared
 from tests.dist import run_ranks
 
 IN, OUT = 8, 4
@@ -173,13 +174,15 @@ def _sync_consistency(rank, world, steps, h_base):
 def test_identical_after_sync_divergent_between_and_metered():
     r0, r1 = run_ranks(_sync_consistency, 2, steps=12, h_base=3)
     assert r0["synced"] == [(s + 1) % 3 == 0 for s in range(12)]
-    per_sync = (r0["n_params"] + r0["n_float_buffers"]) * 4 + STEP_PROOF_BYTES  # + the step the sync proves
+    traffic = declared({"type": "qsr", "alpha": 0.0, "h_base": 3}, small_model(True))
+    assert traffic.sync_steps == [3, 6, 9, 12] and traffic.sync == ((  # one call: parameters, buffers, the proof
+        commhooks.algorithms.traffic.Send("allreduce", (r0["n_params"] + 32) * 4 + STEP_PROOF_BYTES, "sync"),))
     assert r0["n_float_buffers"] == 32  # BatchNorm running mean and var; num_batches_tracked is left alone
     for step in range(12):
         a, b = r0["snaps"][step], r1["snaps"][step]
+        assert r0["bytes"][step] == traffic.bytes_at(step + 1) and r0["calls"][step] == len(traffic.timeline[step])
         if r0["synced"][step]:
             assert torch.equal(a, b), f"ranks differ right after the sync at step {step}"
-            assert r0["bytes"][step] == per_sync and r0["calls"][step] == 1
         else:
             assert not torch.allclose(a, b), f"ranks identical between syncs at step {step} (different data)"
             assert r0["bytes"][step] == 0 and r0["calls"][step] == 0, "gradient traffic between syncs"
@@ -327,9 +330,10 @@ def test_replica_groups_equal_a_reference_and_meter_their_traffic():
         assert torch.allclose(mine, ref, atol=1e-6), (mine - ref).abs().max()
         assert all(inside), "the ranks of a replica group hold the same parameters at every step"
         assert across == [(s + 1) % 3 == 0 for s in range(9)], "groups differ between syncs, agree after"
-        for step, b in enumerate(per_step):
-            sync = (step + 1) % 3 == 0
-            assert b == 4 * numel + (4 * numel + STEP_PROOF_BYTES if sync else 0), (step, b)  # one group-grad payload
+        traffic = declared({"type": "qsr", "h_base": 3, "group_size": 2}, small_model(False), world=4, steps=9)
+        assert traffic.step == (commhooks.algorithms.traffic.Send("allreduce", 4 * numel, "group-grad", "group"),)
+        assert traffic.sync_steps == [3, 6, 9]
+        assert per_step == [traffic.bytes_at(s + 1) for s in range(9)]  # a group-grad payload every step, syncs
 
 
 def test_hierarchical_replica_sync_is_the_same_sync_with_half_the_traffic_across_groups():
@@ -341,11 +345,12 @@ def test_hierarchical_replica_sync_is_the_same_sync_with_half_the_traffic_across
         assert torch.allclose(mine, ref, atol=1e-6), (mine - ref).abs().max()
         assert all(inside) and across == [(s + 1) % 3 == 0 for s in range(9)]
         half = numel // 2 if rank % 2 == 0 else numel - numel // 2  # the pair's first rank holds the first half
-        for step, tags in enumerate(by_tag):
-            expected = {"group-grad": 4 * numel}
-            if (step + 1) % 3 == 0:
-                expected.update({"sync": 4 * half + STEP_PROOF_BYTES, "share-part": 4 * half})  # share: at source
-            assert tags == expected, (step, tags)
+        traffic = declared({"type": "qsr", "h_base": 3, "group_size": 2, "hierarchical": True}, small_model(False),
+                           world=4, steps=9, rank=rank)
+        assert traffic.sync == tuple(commhooks.algorithms.traffic.Send(kind, b, tag, scope) for kind, b, tag, scope in (
+            ("allreduce", 4 * half + STEP_PROOF_BYTES, "sync", "across"),
+            ("broadcast", 4 * half, "share-part", "group")))
+        assert by_tag == [traffic.at(step + 1) for step in range(9)]  # share-part: counted at its source
     outer = {"outer_lr": 0.7, "outer_momentum": 0.9, "payload": "bf16", "overlap_steps": 1}
     flat = run_ranks(_replica_groups, 4, timeout=180, steps=9, h_base=3, extra=outer)
     hier = run_ranks(_replica_groups, 4, timeout=180, steps=9, h_base=3, extra={**outer, "hierarchical": True})
@@ -359,4 +364,7 @@ def test_hierarchical_replica_sync_is_the_same_sync_with_half_the_traffic_across
         # the pair shares its fp32 halves after the anchor (step 1) and after each landed sync (steps 4 and 7;
         # the one sent at step 9 is still in flight)
         assert [k for k, t in enumerate(b[7]) if "share-part" in t] == [0, 3, 6], b[7]
-        assert sum(t["share-part"] for t in b[7] if "share-part" in t) == 3 * 4 * half
+        for hierarchical, r in ((False, a), (True, b)):
+            traffic = declared({"type": "qsr", "h_base": 3, "group_size": 2, **outer, "hierarchical": hierarchical},
+                               small_model(False), world=4, steps=9, rank=rank)
+            assert r[7] == [traffic.at(step + 1) for step in range(9)], (hierarchical, r[7])

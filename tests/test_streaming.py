@@ -16,6 +16,7 @@ from commhooks.algorithms.alignment import STEP_PROOF_BYTES
 from commhooks.algorithms import pipeline
 from commhooks.algorithms.streaming import send_points, split_fragments
 from commhooks.config import ConfigError, load_config
+from tests.declared import declared
 from tests.dist import run_ranks
 from tests.test_outer import SGD, _batch, _net, _qsr_run
 
@@ -227,10 +228,10 @@ def test_fragments_send_their_share_of_the_bytes(results):
         assert sorted(sent) == ["sync-f0", "sync-f1", "sync-f2"]
         # each round sends every fragment once; the last one ends with a blocking sync of all three, so
         # fragments 0 and 1 (sent at steps 8 and 10) go again at step 12
-        edges = [numel * k // 3 for k in range(4)]
-        sizes = [edges[k + 1] - edges[k] for k in range(3)]
-        assert [sent[f"sync-f{k}"] for k in range(3)] == [
-            times * (4 * n + STEP_PROOF_BYTES) for times, n in zip((3, 3, 2), sizes)]
+        traffic = declared(_qsr(6, 12, outer_lr=0.7, outer_momentum=0.9, fragments=3, check_every=1), _net())
+        assert [traffic.calls(tag=f"sync-f{k}") for k in range(3)] == [3, 3, 2]
+        assert tags == traffic.by_tag(), tags  # each fragment's share of the model, with its own step proof
+        assert sum(c.nbytes for c in traffic.sync) == 4 * numel + 3 * STEP_PROOF_BYTES
 
 
 def test_a_forced_sync_lands_what_is_in_flight_and_makes_the_ranks_identical(results):

@@ -1,6 +1,6 @@
 """The algorithm registry: one line per algorithm, looked up by every engine adapter and tool.
 
-    commhooks.register_algorithm(MyConfig, MyState)
+    commhooks.register_algorithm(MyConfig, MyState, traffic=my_traffic)
 
 ``MyConfig`` is a :class:`~commhooks.config.HookConfig` subclass whose
 ``type`` field is ``Literal["my-name"]``; ``MyState`` a
@@ -10,12 +10,18 @@
 DeepSpeed ``"comm_hook"`` section, ``commhooks train --config`` and
 ``commhooks schema``.  No adapter or tool names an algorithm; they ask this
 module.
+
+``traffic`` (optional) declares what a rank sends: ``my_traffic(config,
+setting) -> Traffic`` (:mod:`commhooks.algorithms.traffic`), or
+``"module:function"`` naming it (imported when first asked).  The meter
+tests, ``commhooks plan`` and the docs read an algorithm's bytes from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
+import importlib
+from typing import Callable, Dict, List, Optional, Union
 
 _ALGORITHMS: Dict[str, "Algorithm"] = {}
 _builtins_loaded = False
@@ -23,17 +29,30 @@ _builtins_loaded = False
 
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-    """A registered algorithm: its name (the config's ``type``), config class and state class."""
+    """A registered algorithm: its name (the config's ``type``), config class, state class and traffic
+    declaration (None: not declared)."""
 
     name: str
     config_class: type
     state_class: type
+    traffic: Optional[Union[Callable, str]] = None
+
+    def declare_traffic(self, config, setting):
+        """The :class:`~commhooks.algorithms.traffic.Traffic` of ``config`` in ``setting``; None if undeclared."""
+        fn = self.traffic
+        if fn is None:
+            return None
+        if isinstance(fn, str):
+            module, attr = fn.split(":", 1)
+            fn = getattr(importlib.import_module(module), attr)
+        return fn(config, setting)
 
 
-def register_algorithm(config_class: type, state_class: type) -> Algorithm:
+def register_algorithm(config_class: type, state_class: type,
+                       traffic: Optional[Union[Callable, str]] = None) -> Algorithm:
     """Register ``state_class`` under the name its ``config_class`` declares as ``type``; return the entry.
 
-    Registering the same pair again is a no-op (modules may be re-imported);
+    Registering the same pair again is a no-op (modules may be re-imported), or declares its ``traffic``;
     another pair under a taken name is a ValueError.
     """
     from .algorithms.base import AlgorithmState
@@ -47,9 +66,14 @@ def register_algorithm(config_class: type, state_class: type) -> Algorithm:
     name = None if field is None else field.default
     if not isinstance(name, str) or not name or name == "none":
         raise ValueError(f"{config_class.__name__} needs a field `type: Literal['<name>'] = '<name>'` (not 'none')")
-    entry = Algorithm(name, config_class, state_class)
+    if traffic is not None and not (callable(traffic) or isinstance(traffic, str) and ":" in traffic):
+        raise TypeError(f"traffic must be a function (config, setting) -> Traffic or 'module:function', "
+                        f"got {traffic!r}")
+    entry = Algorithm(name, config_class, state_class, traffic)
     known = _ALGORITHMS.get(name)
-    if known is not None and known != entry:
+    if known is not None and (known.config_class, known.state_class) == (config_class, state_class):
+        entry = known if traffic is None else entry  # the same pair again: a no-op, or its traffic declared now
+    elif known is not None:
         raise ValueError(f"an algorithm named {name!r} is already registered ({known.state_class.__qualname__})")
     _ALGORITHMS[name] = entry
     state_class.config_class = config_class
@@ -86,3 +110,9 @@ def get(name: str) -> Algorithm:
 def for_config(config) -> Algorithm:
     """The algorithm a validated config object belongs to."""
     return get(config.kind)
+
+
+def declared_traffic(config, setting):
+    """What one rank sends under ``config`` (a validated config) in ``setting``, as its algorithm declares it;
+    None when the algorithm declares nothing."""
+    return for_config(config).declare_traffic(config, setting)

@@ -35,5 +35,19 @@ class MeanEveryStepState(commhooks.AlgorithmState):
         self.synced()
 
 
-commhooks.register_algorithm(MeanEveryStepConfig, MeanEveryStepState)
+def mean_every_step_traffic(config, setting):
+    """What a rank sends (the meter tests and ``commhooks plan --import toy_algorithm --config`` read it): every
+    step the gradients, every ``period`` steps the parameters with the step proof."""
+    from commhooks.algorithms.traffic import Send, Traffic, averaged
+
+    if setting.world == 1:
+        return Traffic([()] * setting.steps)
+    grad = (Send("allreduce", setting.element_bytes * setting.numel, "grad"),)
+    sync = tuple(averaged(setting.numel, setting, "sync", "world"))
+    at = [t for t in range(1, setting.steps + 1) if t % config.period == 0]
+    return Traffic([grad + (sync if t % config.period == 0 else ()) for t in range(1, setting.steps + 1)],
+                   grad, sync, at)
+
+
+commhooks.register_algorithm(MeanEveryStepConfig, MeanEveryStepState, traffic=mean_every_step_traffic)
 TOY = {"type": "mean-every-step", "period": 3, "check_every": 1}

@@ -462,4 +462,4 @@ class QSRState(AlgorithmState):
         return f"QSRState(step={self.step}, since_sync={self.since_sync}, H={self.H}, syncs={self.syncs})"
 
 
-register_algorithm(QSRConfig, QSRState)
+register_algorithm(QSRConfig, QSRState, traffic="commhooks.algorithms.qsr_traffic:qsr_traffic")

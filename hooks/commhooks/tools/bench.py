@@ -92,6 +92,24 @@ def method_argv(name: str, model: str) -> List[str]:
     return argv
 
 
+def method_source(name: str, model: str = "cnn") -> Dict[str, object]:
+    """What declares method ``name``'s traffic (``commhooks plan`` asks, so that it names no method):
+    ``{"config": path}`` for commhooks' methods (the registered algorithm declares it), else the trainer's
+    ``{"hook": ..., "powersgd_rank": r, "local_period": h}`` (:mod:`.anchor_traffic`)."""
+    if name not in METHODS:
+        raise KeyError(f"no benchmark method {name!r}; known: {', '.join(METHODS)}")
+    argv = list(METHODS[name])
+    opts = dict(zip(argv[::2], argv[1::2]))
+    if "--config" in opts:
+        from ..shipped import shipped_configs
+
+        own = opts["--config"].replace("_mnist1d.json", f"_{WORKLOADS[model].config_suffix}.json") if (
+            model in WORKLOADS) else opts["--config"]
+        return {"config": own if Path(own).exists() or Path(own).stem in shipped_configs() else opts["--config"]}
+    return {"hook": opts["--hook"], "powersgd_rank": int(opts.get("--powersgd-rank", 4)),
+            "local_period": int(opts.get("--local-sgd-period", 8))}
+
+
 class LabError(RuntimeError):
     """The network namespaces or tc could not be set up."""
 

@@ -1,8 +1,11 @@
 """`commhooks plan`: bytes and step time of every method on a cluster larger than this machine, predicted.
 
-Bytes come from exact per-method formulas (the ones the meter and the
-benchmark's payload counter confirm on MNIST-1D; a test checks them against a
-recorded benchmark); time from a latency-bandwidth model of the collectives:
+Bytes come from each method's traffic declaration: a registered algorithm's
+(``register_algorithm(..., traffic=...)``, for any config of it: ``--config
+FILE``), PyTorch's baselines' (:mod:`commhooks.tools.anchor_traffic`); the
+meter tests check the declarations to the byte and tests/test_plan.py against
+recorded benchmarks.  The planner itself has no byte formula and names no
+method.  Time from a latency-bandwidth model of the collectives:
 
 * allreduce of ``B`` bytes over ``p = n g`` ranks on ``n`` nodes (a ring through
   every rank, as gloo and NCCL's rings run it: each node's link carries
@@ -10,9 +13,11 @@ recorded benchmark); time from a latency-bandwidth model of the collectives:
   (on one node: the same over ``intra``);
 * allgather of ``B`` bytes per rank (compressed payloads):
   ``(g-1) B / intra + (n-1) g B / inter + calls * latency``;
-* replica groups (QSR ``group_size`` = ranks per node, DeepSpeed's ZeRO inside):
-  the gradient allreduce stays inside the node, and each rank syncs a
-  ``1/g`` shard across nodes (``g`` rings of ``n`` ranks side by side).
+* collectives inside a node (a replica group's gradient mean, a hierarchical
+  sync's parts shared) run over ``intra``; a hierarchical sync's ``1/g`` part
+  crosses the nodes as ``g`` rings of ``n`` ranks side by side
+  (``--replica-groups`` turns replica groups of a node and ``hierarchical`` on
+  for the configs that have them).
 
 Links run at ``efficiency`` of their rate (TCP/IP over Ethernet frames carries
 ~94 % payload).  A step is ``compute + method overhead + communication``,
@@ -30,9 +35,13 @@ import argparse
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..algorithms.alignment import STEP_PROOF_BYTES as PROOF  # the step proof in every commhooks sync
+from ..algorithms.traffic import Setting, Traffic as Declared
+from ..algorithms.traffic import describe
+from .anchor_traffic import COMPUTE_ONLY, DENSE, anchor_label, anchor_traffic
 
 Shapes = List[Tuple[str, Tuple[int, ...]]]
 
@@ -88,8 +97,24 @@ def _lm_1b() -> Shapes:
     return shapes
 
 
-MODELS = {"cnn": lambda: _torch_shapes("cnn"), "mlp": lambda: _torch_shapes("mlp"), "vgg16": _vgg16,
+MODELS = {"cnn": lambda: _torch_shapes("cnn"), "mlp": lambda: _torch_shapes("mlp"), "gpt": lambda: _torch_shapes("gpt"),
+          "vgg16": _vgg16,
           "resnet50": _resnet50, "vit-b16": _vit_b16, "lm-1b": _lm_1b}
+
+
+def model_buffers(name: str) -> int:
+    """Floating buffer elements (BatchNorm statistics) of a torch model the planner builds; 0 for the others."""
+    if name not in ("cnn", "mlp", "gpt") and ":" not in name:
+        return 0
+    from .models import build_model
+
+    model = build_model(name) if ":" not in name else None
+    if model is None:
+        import importlib
+
+        module, attr = name.split(":", 1)
+        model = getattr(importlib.import_module(module), attr)()
+    return sum(b.numel() for b in model.buffers() if b.is_floating_point())
 
 
 def model_shapes(name: str) -> Shapes:
@@ -110,7 +135,7 @@ def model_shapes(name: str) -> Shapes:
 
 @dataclass
 class Schedule:
-    """The run the byte formulas assume: steps, lr warm-up then cosine to zero (the trainer's), peak lr."""
+    """The run the declarations are asked about: steps, lr warm-up then cosine to zero (the trainer's), peak lr."""
 
     steps: int = 1200
     warmup: int = 50
@@ -124,109 +149,87 @@ class Schedule:
         return self.peak_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def rule_syncs(config: dict, schedule: Schedule) -> int:
-    """Syncs of a QSR config over ``schedule`` (the rule simulated round by round, as the state runs it)."""
-    from ..algorithms.qsr import qsr_period
-    from ..config import load_config
+def bench_schedule(setup: dict) -> Schedule:
+    """The schedule a ``commhooks bench`` run trained with (its workload's peak lr, the trainer's warm-up)."""
+    from .workloads import WORKLOADS
 
-    conf = load_config({**config, "total_steps": schedule.steps})
-    step, syncs = 0, 0
-    while step < schedule.steps:
-        step += qsr_period(step, schedule.lr(step), conf)
-        syncs += 1
-    return syncs
+    workload = WORKLOADS.get(setup["model"])
+    return Schedule(steps=setup["steps"], peak_lr=workload.defaults["lr"] if workload else Schedule.peak_lr)
 
 
-def powersgd_step_bytes(shapes: Shapes, rank: int, min_rate: float = 2.0) -> int:
-    """torch's PowerSGD after its start iteration: P and Q of each compressible matrix, the rest uncompressed."""
-    total = 0
-    for _, shape in shapes:
-        numel = math.prod(shape)
-        if len(shape) > 1:
-            m, n = shape[0], numel // shape[0]
-            r = min(rank, m, n)
-            if (m + n) * r * min_rate < m * n:
-                total += (m + n) * r
-                continue
-        total += numel
-    return 4 * total
-
-
-@dataclass
-class Traffic:
-    """A method's average traffic per optimizer step: allreduce bytes (``world`` or ``node``-local) and
-    allgather bytes per rank, collective calls, and whether its cross-node syncs are sharded per node."""
-
-    allreduce: float = 0.0
-    allreduce_intra: float = 0.0
-    allgather: float = 0.0
-    calls: float = 0.0
-    sharded: bool = False
-    measured: bool = False  # bytes taken from a benchmark, not from a formula
-
-    @property
-    def payload(self) -> float:
-        return self.allreduce + self.allgather
-
-
-
-
-def _config(path: str) -> dict:
+def read_config(path: str) -> dict:
+    """A config file (or a shipped config's name; a DeepSpeed config: its ``"comm_hook"`` section) as a dict."""
     from ..config import read_json
     from ..shipped import find
 
-    return read_json(find(path))
+    raw = read_json(path) if Path(path).is_file() else read_json(find(Path(path).name))
+    return raw.get("comm_hook", raw) if isinstance(raw, dict) else raw
 
 
-def method_traffic(method: str, shapes: Shapes, schedule: Schedule, group_size: int = 1,
-                   proof: int = PROOF) -> Traffic:
-    """Per-step traffic of ``method`` (benchmark names) from its formula."""
-    n = sum(math.prod(s) for _, s in shapes)
-    steps = schedule.steps
-    if method == "ddp":
-        return Traffic(allreduce=4 * n, calls=1)
-    if method == "fp16":
-        return Traffic(allreduce=2 * n, calls=1)
-    if method.startswith("powersgd-r"):
-        start = min(max(2, schedule.anchor_start), steps)
-        per = powersgd_step_bytes(shapes, int(method[len("powersgd-r"):]))
-        return Traffic(allreduce=(start * 4 * n + (steps - start) * per) / steps, calls=3)
-    if method == "local-sgd-h8":
-        start = min(schedule.anchor_start, steps)
-        averages = math.ceil((steps - start) / 8)
-        return Traffic(allreduce=(start * 4 * n + averages * 4 * n) / steps, calls=(start + averages) / steps)
-    configs = {"qsr": "qsr_mnist1d", "qsr-int8": "qsr_int8_mnist1d", "qsr-diloco-int8": "qsr_diloco_int8_mnist1d",
-               "diloco-h20": "diloco_mnist1d", "qsr-diloco-int4": "qsr_diloco_int4_mnist1d",
-               "qsr-diloco-int2": "qsr_diloco_int2_mnist1d", "qsr-diloco-topk": "qsr_diloco_topk_mnist1d",
-               "qsr-diloco": "qsr_diloco_mnist1d", "qsr-diloco-int2-nearest": "qsr_diloco_int2_nearest_mnist1d"}
-    if method in configs:
-        from ..algorithms import payload
+def declared(source: dict, shapes: Shapes, schedule: Schedule, layout: "Layout", proof: int = PROOF,
+             overrides: Optional[dict] = None, buffers: int = 0, rank: int = 0,
+             moments_per_param: int = 2) -> Declared:
+    """The declared traffic of one method: ``{"config": path or dict}`` (its registered algorithm declares it, asked
+    for a run of ``schedule.steps`` steps) or a baseline ``{"hook": ...}`` (:mod:`.anchor_traffic`).
+    ``moments_per_param``: optimizer moments a sync may average (AdamW: 2)."""
+    setting = Setting.of(shapes, world=layout.world, local_world=layout.ranks_per_node, rank=rank,
+                         steps=schedule.steps, lr=schedule.lr, proof_bytes=proof, buffers=buffers,
+                         moments=moments_per_param * sum(math.prod(s) for _, s in shapes))
+    if "hook" in source:
+        return anchor_traffic(source["hook"], setting, source.get("powersgd_rank", 4), source.get("local_period", 8),
+                              schedule.anchor_start)
+    from .. import registry
+    from ..config import load_config
 
-        conf = _config(configs[method])
-        syncs = rule_syncs(conf, schedule)
-        codec = conf.get("payload", "fp32")
-        outer = codec != "fp32" or conf.get("outer_lr", 1.0) != 1.0 or conf.get("outer_momentum", 0.0) != 0.0
-        shard = math.ceil(n / group_size)
-        body = proof + payload.Codec(codec, conf.get("payload_block", 256), conf.get("payload_rounding", "nearest"),
-                                     conf.get("topk_density", 0.01), conf.get("topk_chunk", 4096),
-                                     conf.get("topk_values", "fp32")).nbytes(shard)
-        t = Traffic(calls=syncs / steps, sharded=group_size > 1)
-        if group_size > 1:
-            t.allreduce_intra = 4 * n  # the engine's data parallelism inside the node, every step
-        anchor = 4 * shard / steps if outer else 0.0
-        if codec == "fp32":
-            t.allreduce = syncs * body / steps + anchor
-        else:
-            t.allgather, t.allreduce = syncs * body / steps, anchor
-        return t
-    if method == "compute-only":
-        return Traffic()
-    raise KeyError(method)
+    raw = source["config"] if isinstance(source["config"], dict) else read_config(source["config"])
+    algorithm = registry.get(raw.get("type", ""))
+    fields = algorithm.config_class.model_fields
+    raw = {**raw, **{k: v for k, v in (overrides or {}).items() if k in fields}}
+    if "total_steps" in fields:
+        raw["total_steps"] = schedule.steps
+    return algorithm.declare_traffic(load_config(raw), setting)
 
 
-FORMULA_METHODS = ("ddp", "fp16", "powersgd-r1", "powersgd-r4", "local-sgd-h8", "qsr", "qsr-int8",
-                   "qsr-diloco-int8", "qsr-diloco-int4", "qsr-diloco-int2", "qsr-diloco-topk", "diloco-h20",
-                   "qsr-diloco", "qsr-diloco-int2-nearest", "compute-only")
+@dataclass
+class Load:
+    """A method's average traffic per optimizer step by collective and scope (:mod:`commhooks.algorithms.traffic`:
+    ``world``, ``group`` = inside a node, ``across`` = one rank per node, ``g`` side by side), and its calls."""
+
+    allreduce: float = 0.0
+    allreduce_across: float = 0.0
+    allreduce_intra: float = 0.0
+    allgather: float = 0.0
+    allgather_across: float = 0.0
+    allgather_intra: float = 0.0
+    broadcast_across: float = 0.0
+    broadcast: float = 0.0
+    broadcast_intra: float = 0.0
+    calls: float = 0.0
+    calls_across: float = 0.0
+    calls_intra: float = 0.0
+    measured: bool = False  # bytes taken from a benchmark, not from a declaration
+
+    @classmethod
+    def of(cls, t: Declared, layout: "Layout") -> "Load":
+        """``t`` averaged per step; a replica group larger than a node (its collectives cross the nodes) counts
+        as the world."""
+        names = {"world": "", "across": "_across", "group": "_intra" if t.group <= layout.ranks_per_node else ""}
+        totals: Dict[str, int] = {}
+        for c in t.sends():
+            scope = names[c.scope]
+            totals[c.kind + scope] = totals.get(c.kind + scope, 0) + c.nbytes
+            totals["calls" + scope] = totals.get("calls" + scope, 0) + 1
+        return cls(**{k: v / max(1, t.steps) for k, v in totals.items()})
+
+    def between_nodes(self, layout: "Layout") -> float:
+        """Of :attr:`payload`, what this rank hands to collectives that span nodes."""
+        world = self.allreduce + self.allgather + self.broadcast if layout.nodes > 1 else 0.0
+        return world + self.allreduce_across + self.allgather_across + self.broadcast_across
+
+    @property
+    def payload(self) -> float:
+        return (self.allreduce + self.allreduce_across + self.allreduce_intra + self.allgather + self.allgather_across
+                + self.allgather_intra + self.broadcast + self.broadcast_across + self.broadcast_intra)
 
 
 # ----------------------------------------------------------------------------- time
@@ -246,64 +249,77 @@ class Layout:
         return self.nodes * self.ranks_per_node
 
 
-def comm_ms(t: Traffic, layout: Layout) -> float:
-    """Communication time per step (ms) of traffic ``t`` on ``layout``."""
+def comm_ms(t: Load, layout: Layout) -> float:
+    """Communication time per step (ms) of load ``t`` on ``layout``."""
     n, g = layout.nodes, layout.ranks_per_node
     inter = layout.inter_gbit * 1e9 / 8 * layout.efficiency  # bytes/s
     intra = layout.intra_gbit * 1e9 / 8 * layout.efficiency
-    seconds = 0.0
     p = n * g
-    if t.allreduce:
-        if t.sharded:  # g rings of n ranks (one per shard), side by side on the node's link
-            seconds += 2 * (n - 1) / n * g * t.allreduce / inter
-        elif n > 1:  # one ring through every rank: each node's link carries 2 (p-1)/p of the payload
-            seconds += 2 * (p - 1) / p * t.allreduce / inter
-        else:
-            seconds += 2 * (g - 1) / g * t.allreduce / intra
-    if t.allreduce_intra:
-        seconds += 2 * (g - 1) / g * t.allreduce_intra / intra
-    if t.allgather:
-        seconds += (n - 1) * g * t.allgather / inter + (g - 1) * t.allgather / intra
-    ring = n if t.sharded else p
-    seconds += t.calls * layout.latency_us * 1e-6 * 2 * (ring - 1)  # a ring's steps
-    return 1000 * seconds
+    seconds = 0.0
+    if n > 1:  # one ring through every rank: each node's link carries 2 (p-1)/p of the payload
+        seconds += 2 * (p - 1) / p * t.allreduce / inter + t.broadcast / inter
+        seconds += 2 * (n - 1) / n * g * t.allreduce_across / inter  # g rings of n ranks side by side
+        seconds += (n - 1) * g * (t.allgather + t.allgather_across) / inter + g * t.broadcast_across / inter
+    elif g > 1:
+        seconds += 2 * (g - 1) / g * t.allreduce / intra + t.broadcast / intra
+    seconds += (g - 1) * t.allgather / intra
+    if g > 1:  # inside the node
+        seconds += 2 * (g - 1) / g * t.allreduce_intra / intra + (g - 1) * t.allgather_intra / intra
+        seconds += g * t.broadcast_intra / intra  # each rank of the node broadcasts its share in turn
+    steps = t.calls * 2 * (p - 1) + t.calls_across * 2 * (n - 1) + t.calls_intra * 2 * (g - 1)  # a ring's steps
+    return 1000 * (seconds + steps * layout.latency_us * 1e-6)
 
 
-def predict(methods: Sequence[str], shapes: Shapes, layout: Layout, compute_ms: float, schedule: Schedule,
+def predict(methods: Dict[str, dict], shapes: Shapes, layout: Layout, compute_ms: float, schedule: Schedule,
             overhead_ms: Optional[Dict[str, float]] = None, measured_bytes: Optional[Dict[str, float]] = None,
-            group_size: int = 1) -> List[dict]:
-    """One row per method: bytes per rank per step, predicted step time, speed-up against DDP."""
+            overrides: Optional[dict] = None, proof: int = PROOF, buffers: int = 0) -> List[dict]:
+    """One row per method (label -> source, see :func:`declared`): bytes per rank per step, predicted step time,
+    speed-up against DDP (the dense allreduce baseline, when among them).  A declaration that is only a bound
+    (AB: its ranks come from the data) gives way to ``measured_bytes`` where the benchmark measured them."""
     rows = []
-    for m in methods:
-        if m in FORMULA_METHODS:
-            t = method_traffic(m, shapes, schedule, group_size if m.startswith(("qsr", "diloco")) else 1)
-        elif measured_bytes and m in measured_bytes:
-            t = Traffic(allreduce=measured_bytes[m] / schedule.steps, calls=1, measured=True)
+    for label, source in methods.items():
+        t = declared(source, shapes, schedule, layout, proof, overrides, buffers)
+        if t is not None and t.exact:
+            load = Load.of(t, layout)
+        elif measured_bytes and label in measured_bytes:
+            load = Load(allreduce=measured_bytes[label] / schedule.steps, calls=1, measured=True)
+        elif t is not None:
+            load = Load.of(t, layout)
         else:
             continue
-        step = compute_ms + (overhead_ms or {}).get(m, 0.0) + comm_ms(t, layout)
-        rows.append({"method": m, "bytes_per_step": t.payload + t.allreduce_intra, "step_ms": step,
-                     "bytes_measured": t.measured})
-    ddp = next((r["step_ms"] for r in rows if r["method"] == "ddp"), None)
+        step = compute_ms + (overhead_ms or {}).get(label, 0.0) + comm_ms(load, layout)
+        rows.append({"method": label, "bytes_per_step": load.payload, "step_ms": step,
+                     "bytes_between_nodes_per_step": load.between_nodes(layout),
+                     "bytes_measured": load.measured, "bytes_bound": not load.measured and not t.exact,
+                     "syncs": None if t is None else t.syncs, "dense": source.get("hook") == DENSE,
+                     "declared": t})
+    dense = next((r["step_ms"] for r in rows if r["dense"]), None)
     for r in rows:
-        r["speedup_vs_ddp"] = ddp / r["step_ms"] if ddp else None
+        r["speedup_vs_ddp"] = dense / r["step_ms"] if dense else None
     return rows
 
 
 # ----------------------------------------------------------------------------- validation
 
 
+def _bench():
+    from . import bench
+
+    return bench
+
+
 def validate(bench_json: str) -> List[dict]:
     """Predicted vs measured step time for every method and limited link of a ``commhooks bench`` run.
 
     Calibration per method from the same run: compute-only's step time at each link (the machine's compute
-    there) and the method's overhead on the unlimited link.  Bytes from the formulas (measured ones for
-    methods without a formula, e.g. AB, whose ranks the data decides)."""
+    there) and the method's overhead on the unlimited link.  Bytes from the declarations (measured ones where a
+    declaration is only a bound, e.g. AB, whose ranks the data decides)."""
     data = json.loads(open(bench_json).read())
     setup, methods = data["setup"], data["methods"]
     shapes = model_shapes(setup["model"])
-    schedule = Schedule(steps=setup["steps"])
-    base = methods["compute-only"]["step_ms"]
+    schedule = bench_schedule(setup)
+    sources = {name: _bench().method_source(name, setup["model"]) for name in methods if name in _bench().METHODS}
+    base = methods[next(k for k, v in sources.items() if v.get("hook") == COMPUTE_ONLY)]["step_ms"]
     rows = []
     nodes = setup.get("nodes") or setup["ranks"]
     for bw in setup["bandwidths"]:
@@ -312,15 +328,18 @@ def validate(bench_json: str) -> List[dict]:
         rate = float(bw.replace("gbit", "e9").replace("mbit", "e6")) / 1e9
         layout = Layout(nodes=nodes, ranks_per_node=setup["ranks"] // nodes, inter_gbit=rate)
         for name, m in methods.items():
+            if name not in sources:
+                continue
             overhead = {name: m["step_ms"]["unlimited"] - base["unlimited"]}
-            row = predict([name], shapes, layout, base[bw], schedule, overhead,
+            row = predict({name: sources[name]}, shapes, layout, base[bw], schedule, overhead,
                           {name: m["payload_bytes_per_rank"]})
             if not row:
                 continue
             predicted, measured = row[0]["step_ms"], m["step_ms"][bw]
             rows.append({"method": name, "link": bw, "predicted_ms": round(predicted, 2), "measured_ms": measured,
                          "error": round(predicted / measured - 1, 3), "bytes_measured": row[0]["bytes_measured"],
-                         "formula_bytes": None if row[0]["bytes_measured"] else round(row[0]["bytes_per_step"] * schedule.steps),
+                         "declared_bytes": None if row[0]["bytes_measured"] else round(
+                             row[0]["bytes_per_step"] * schedule.steps),
                          "payload_bytes": m["payload_bytes_per_rank"]})
     return rows
 
@@ -341,12 +360,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--peak-lr", type=float, default=0.003)
-    p.add_argument("--replica-groups", action="store_true", help="QSR/DiLoCo across nodes, data parallel inside")
+    p.add_argument("--config", help="comma-separated config files (JSON of any registered algorithm, a shipped "
+                                    "config's name, or a DeepSpeed config with a comm_hook section): their rows "
+                                    "and what a step and a sync send, with DDP's row for reference")
+    p.add_argument("--import", dest="imports", default="", metavar="MODULE[,MODULE]",
+                   help="modules to import first: those that register your own algorithms (register_algorithm)")
+    p.add_argument("--declarations", action="store_true",
+                   help="print what each config (--config, default: every shipped one) declares a step and a sync "
+                        "send on --model and the cluster layout, as a markdown table (the docs include it)")
+    p.add_argument("--replica-groups", action="store_true",
+                   help="configs with replica groups: groups of a node's ranks, hierarchical syncs across nodes")
     p.add_argument("--calibrate", help="a commhooks bench results.json: method overheads and compute from it")
-    p.add_argument("--methods", default=",".join(FORMULA_METHODS))
+    p.add_argument("--methods", default=None, help="benchmark methods (default: every one whose bytes are declared "
+                                                   "exactly; none when --config is given)")
     p.add_argument("--validate", metavar="RESULTS_JSON", help="compare predictions with a recorded benchmark")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
+    for module in (m for m in args.imports.split(",") if m):
+        import importlib
+
+        importlib.import_module(module)
     if args.validate:
         rows = validate(args.validate)
         if args.json:
@@ -359,25 +392,120 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     shapes = model_shapes(args.model)
     schedule = Schedule(args.steps, args.warmup, args.peak_lr)
     layout = Layout(args.nodes, args.ranks_per_node, args.inter_gbit, args.intra_gbit, args.latency_us)
+    if args.declarations:  # (an unknown config file: ConfigError naming it)
+        print(declarations_table(args.config.split(",") if args.config else None, shapes, schedule, layout,
+                                 model_buffers(args.model)))
+        return 0
     overhead, compute = {}, args.compute_ms
-    if args.calibrate:
-        data = json.loads(open(args.calibrate).read())
-        base = data["methods"]["compute-only"]["step_ms"]["unlimited"]
-        overhead = {k: v["step_ms"]["unlimited"] - base for k, v in data["methods"].items()}
+    calibration = json.loads(open(args.calibrate).read())["methods"] if args.calibrate else None
+    from ..config import ConfigError
+
+    try:
+        methods = _methods(args, schedule, shapes, layout)
+    except (ConfigError, KeyError) as exc:  # an unknown config, algorithm or method: say which
+        p.error(str(exc).strip('"'))
+    if calibration:
+        base = _compute_only(calibration)
+        overhead = {k: v["step_ms"]["unlimited"] - base for k, v in calibration.items()}
         compute = base if compute is None else compute
     if compute is None:
         p.error("give --compute-ms (your model's step time without communication) or --calibrate")
-    rows = predict([m for m in args.methods.split(",") if m], shapes, layout, compute, schedule, overhead,
-                   group_size=args.ranks_per_node if args.replica_groups else 1)
+    overrides = {"group_size": None, "hierarchical": True} if args.replica_groups else None
+    try:
+        rows = predict(methods, shapes, layout, compute, schedule, overhead, overrides=overrides,
+                       buffers=model_buffers(args.model))
+    except (ConfigError, KeyError) as exc:
+        p.error(str(exc).strip('"'))
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps([{k: v for k, v in r.items() if k != "declared"} for r in rows], indent=1))
         return 0
     n = sum(math.prod(s) for _, s in shapes)
     print(f"{args.model}: {n / 1e6:.2f} M parameters; {layout.nodes} nodes x {layout.ranks_per_node} ranks, "
-          f"{layout.inter_gbit:g} Gbit/s between nodes, {layout.intra_gbit:g} inside; compute {compute:.2f} ms/step "
-          "(predictions, not measurements)")
-    print("| method | bytes/rank/step | predicted ms/step | vs DDP |\n|---|---|---|---|")
+          f"{layout.inter_gbit:g} Gbit/s between nodes, {layout.intra_gbit:g} inside; compute {compute:.2f} ms/step; "
+          f"{schedule.steps} steps (predictions, not measurements)")
+    print("| method | bytes/rank/step | between nodes | syncs | predicted ms/step | vs DDP |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
         speedup = "—" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.2f}x"
-        print(f"| {r['method']} | {r['bytes_per_step'] / 1e6:.3f} MB | {r['step_ms']:.1f} | {speedup} |")
+        how = " (measured)" if r["bytes_measured"] else " (bound)" if r["bytes_bound"] else ""
+        syncs = "—" if not r["syncs"] else str(r["syncs"])
+        print(f"| {r['method']} | {r['bytes_per_step'] / 1e6:.3f} MB{how} | "
+              f"{r['bytes_between_nodes_per_step'] / 1e6:.3f} MB | {syncs} | {r['step_ms']:.1f} | {speedup} |")
+    for r in rows:
+        if args.config and r["declared"] is not None and "config" in methods[r["method"]]:
+            t = r["declared"]
+            print(f"\n{r['method']} (rank 0): {t.syncs} syncs in {t.steps} steps; {t.bytes():,} B over the run"
+                  + ("" if t.exact else f"; a bound: {t.note}"))
+            print(describe(t))
     return 0
+
+
+def _between(calls, layout: Layout, group: int = 1) -> int:
+    """Bytes of ``calls`` that cross the nodes (a replica group larger than a node crosses them too)."""
+    world = ("world", "group") if group > layout.ranks_per_node else ("world",)
+    return sum(c.nbytes for c in calls if c.scope == "across" or c.scope in world and layout.nodes > 1)
+
+
+def _where(calls, layout: Layout, bound: str = "", group: int = 1) -> str:
+    """Bytes of ``calls`` by where they travel: between nodes, inside a node."""
+    across = _between(calls, layout, group)
+    inside = sum(c.nbytes for c in calls) - across
+    parts = [f"{bound}{across:,} between nodes" if across else "", f"{bound}{inside:,} in the node" if inside else ""]
+    return " + ".join(p for p in parts if p) or "0"
+
+
+def declarations_table(paths: Optional[Sequence[str]], shapes: Shapes, schedule: Schedule, layout: Layout,
+                       buffers: int = 0) -> str:
+    """A markdown table of what each config declares (rank 0): bytes a step and a sync send, and where; syncs,
+    bytes over the run between nodes and inside them, against DDP's.  ``paths=None``: every shipped config of a
+    registered algorithm."""
+    from .. import registry
+    from ..shipped import shipped_configs
+
+    if paths is None:
+        paths = [str(p) for p in shipped_configs().values()]
+    dense = _between(declared({"hook": DENSE}, shapes, schedule, layout, buffers=buffers).sends(), layout)
+    lines = ["| config | type | a step sends (bytes) | a sync sends (bytes) | syncs | between nodes, run | "
+             "in the node, run | between nodes vs DDP |", "|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        raw = read_config(path)
+        if not isinstance(raw, dict) or raw.get("type") not in registry.names():
+            continue
+        t = declared({"config": raw}, shapes, schedule, layout, buffers=buffers)
+        if t is None:
+            continue
+        bound = "" if t.exact else "<= "
+        between = _between(t.sends(), layout, t.group)
+        lines.append(f"| {Path(path).stem} | {raw['type']} | {_where(t.step, layout, bound, t.group)} | "
+                     f"{_where(t.sync, layout, bound, t.group)} | {t.syncs} | {bound}{between:,} | "
+                     f"{bound}{t.bytes() - between:,} | {bound}{between / dense:.4f} |")
+    return "\n".join(lines)
+
+
+def _compute_only(calibration: dict) -> float:
+    for name in calibration:
+        try:
+            if _bench().method_source(name).get("hook") == COMPUTE_ONLY:
+                return calibration[name]["step_ms"]["unlimited"]
+        except KeyError:
+            continue
+    raise SystemExit("--calibrate: the results hold no compute-only run")
+
+
+def _methods(args, schedule, shapes, layout) -> Dict[str, dict]:
+    """Label -> source of every row asked for: --config files (and DDP's baseline), --methods (benchmark names)."""
+    out: Dict[str, dict] = {}
+    names = args.methods.split(",") if args.methods else []
+    if args.config:
+        out[anchor_label(DENSE)] = {"hook": DENSE}
+        for path in (x for x in args.config.split(",") if x):
+            out[Path(path).stem] = {"config": path}
+    elif not names:
+        for name in _bench().METHODS:
+            source = _bench().method_source(name, args.model if args.model in ("cnn", "mlp", "gpt") else "cnn")
+            t = declared(source, shapes, Schedule(min(schedule.steps, 60), schedule.warmup, schedule.peak_lr), layout)
+            if t is not None and t.exact:
+                names.append(name)
+    for name in (x for x in names if x):
+        out[name] = _bench().method_source(name, args.model if args.model in ("cnn", "mlp", "gpt") else "cnn")
+    return out

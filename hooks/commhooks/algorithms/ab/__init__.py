@@ -7,6 +7,6 @@ from .rebound import LRRebound
 from .schedule import phases
 from .state import ABState
 
-register_algorithm(ABConfig, ABState)
+register_algorithm(ABConfig, ABState, traffic="commhooks.algorithms.ab.traffic:ab_traffic")
 
 __all__ = ["ABConfig", "ABState", "LRRebound", "Basis", "choose_rank", "compression_ratio", "tall_view", "phases"]

@@ -1,0 +1,73 @@
+"""Traffic declarations against the meter on 4 real gloo ranks in pairs: every step's bytes by tag, every rank.
+
+The combinations no other meter test covers: hierarchical syncs with optimizer moments and BatchNorm buffers,
+fragmented int8 syncs landing a step later and shared in the pair, top-k in three fragments; the declaration
+(``registry.declared_traffic``) must say what each rank's meter counts at each step.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commhooks
+from tests.declared import declared
+from tests.dist import run_ranks
+
+STEPS = 10
+CONFIGS = {
+    "hier-moments": {"type": "qsr", "h_base": 3, "group_size": 2, "hierarchical": True,
+                     "average_optimizer_state": True},
+    "hier-int8-fragments-overlap": {"type": "qsr", "h_base": 4, "group_size": 2, "hierarchical": True,
+                                    "payload": "int8", "payload_block": 32, "error_feedback": True, "fragments": 2,
+                                    "overlap_steps": 1, "average_optimizer_state": True},
+    "topk-fragments-outer": {"type": "qsr", "h_base": 2, "alpha": 0.0, "payload": "topk", "topk_chunk": 64,
+                             "error_feedback": True, "fragments": 3, "outer_lr": 0.7, "outer_momentum": 0.9},
+    "rule-replicas": {"type": "qsr", "h_base": 2, "alpha": 0.3, "warmup_steps": 2, "group_size": 2},
+}
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def lr_at(step):
+    return 0.05 * (1 - step / STEPS) + 1e-3
+
+
+def _worker(rank, world):
+    out = {}
+    for name, conf in CONFIGS.items():
+        net = DDP(_model(), forward_sync_buffers=False)
+        opt = torch.optim.AdamW(net.parameters(), lr=lr_at(0))
+        state = commhooks.ddp.register(net, opt, {**conf, "total_steps": STEPS})
+        steps = []
+        for step in range(STEPS):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            before = dict(state.meter.by_tag())
+            g = torch.Generator().manual_seed(100 * step + rank)
+            opt.zero_grad()
+            F.cross_entropy(net(torch.randn(16, 8, generator=g)), torch.randint(0, 4, (16,), generator=g)).backward()
+            opt.step()
+            steps.append({t: b - before.get(t, 0) for t, b in state.meter.by_tag().items() if b - before.get(t, 0)})
+        out[name] = steps
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return run_ranks(_worker, 4, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_meter_counts_what_qsr_declares(measured, name):
+    model = _model()
+    numel = sum(p.numel() for p in model.parameters())
+    for rank, r in enumerate(measured):
+        traffic = declared({**CONFIGS[name], "total_steps": STEPS}, model, world=4, steps=STEPS, rank=rank,
+                           local_world=2, lr=lr_at, moments=2 * numel)  # AdamW: exp_avg, exp_avg_sq
+        assert r[name] == [traffic.at(s + 1) for s in range(STEPS)], (rank, r[name])
+        assert traffic.syncs >= 2
