@@ -52,7 +52,6 @@ per-rank tensor to average between syncs without a full gather.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import warnings
@@ -60,8 +59,7 @@ from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
-from . import registry
-from .algorithms.base import engine_facts
+from . import facts, registry
 from .algorithms import replicas
 from .config import ConfigError, load_config, read_json
 
@@ -350,11 +348,11 @@ def attach(engine, config=None, process_group=None):
     check_supported({"zero_optimization": {"stage": engine.zero_optimization_stage()},
                      "fp16": {"enabled": engine.fp16_enabled()}, "bf16": {"enabled": engine.bfloat16_enabled()}}, conf)
     state_class = registry.for_config(conf).state_class
-    facts = engine_facts(engine.module)
+    local_world_size = facts.launcher_local_world_size()
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    groups = state_class.data_parallel_groups(conf, world, facts.local_world_size)
+    groups = state_class.data_parallel_groups(conf, world, local_world_size)
     if getattr(engine, "comm_hook_state", None) is not None:
         raise ConfigError("this engine already has a comm hook (engine.comm_hook_state); build a new engine to change it")
     mine = next((g for g in groups if dist.get_rank() in g), ()) if groups is not None else ()
@@ -371,10 +369,10 @@ def attach(engine, config=None, process_group=None):
             "deepspeed.initialize)")
     named, lows, refresh, slices = _masters(engine)
     drives = engine.optimizer is not engine.basic_optimizer  # DeepSpeed's wrappers step the inner one per group
-    facts = dataclasses.replace(facts, drives_steps=drives, replica_data_parallel=replica_parallel,
-                                lr_may_differ=drives and _may_skip_steps(engine), tensors_changed=refresh,
-                                master_slices=slices)
-    state = state_class(optimizer=engine.basic_optimizer, named_parameters=named, engine=facts,
+    engine_facts = facts.for_model(engine.module, local_world_size=local_world_size, drives_steps=drives,
+                                   replica_data_parallel=replica_parallel, lr_may_differ=drives and _may_skip_steps(engine),
+                                   tensors_changed=refresh, master_slices=slices)
+    state = state_class(optimizer=engine.basic_optimizer, named_parameters=named, engine=engine_facts,
                         process_group=process_group, config=conf)
     _StepDriver(engine, state, lows, drives, engine_reduces=replica_parallel)
     engine.comm_hook_state = state
@@ -410,7 +408,7 @@ def initialize(args=None, model=None, model_parameters=None, config=None, **kwar
             deepspeed.init_distributed()
         world = dist.get_world_size()
         groups = registry.for_config(conf).state_class.data_parallel_groups(
-            conf, world, engine_facts(model).local_world_size)
+            conf, world, facts.launcher_local_world_size())
         if groups is not None:
             if kwargs.get("mpu") is not None:
                 raise ConfigError("comm_hook with replica groups builds DeepSpeed's data-parallel groups itself "

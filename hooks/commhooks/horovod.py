@@ -31,14 +31,12 @@ own ``hvd.DistributedOptimizer``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from typing import Optional
 
 import torch
 
-from . import registry
-from .algorithms.base import engine_facts
+from . import facts, registry
 from .config import ConfigError, load_config
 
 
@@ -189,7 +187,7 @@ class _HookedOptimizer:
         self.register_step_post_hook(lambda opt, args, kwargs: setattr(self, "_synchronized", False))
         comm = HorovodComm()
         hvd = comm.hvd
-        engine = dataclasses.replace(engine_facts(model), local_world_size=hvd.local_size())
+        engine = facts.for_model(model, local_world_size=hvd.local_size())
         state_class = registry.for_config(conf).state_class
         self.comm_hook_state = state_class(optimizer=self, model=model, named_parameters=named, engine=engine,
                                            comm=comm, config=conf)
