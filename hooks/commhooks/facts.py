@@ -14,9 +14,9 @@ imports no engine and reads no environment variable), so they are handed over as
 
 Why this, and not a list of providers that the adapters fill when they are imported: with such a registry the
 facts depended on which modules happened to be imported before the state was built, and the algorithms layer
-held global state that the adapters wrote into.  Here the sources are one declared table, read when needed:
-DDP's facts from a ``DistributedDataParallel`` model (:mod:`commhooks.ddp`), ranks per node from the launcher's
-environment (:mod:`commhooks.launch`).  The facts are needed while the state is built (the handshake checks the
+held global state that the adapters wrote into.  Here where each fact comes from is written once, in
+:func:`for_model`, and read when needed: DDP's facts from a ``DistributedDataParallel`` model
+(:mod:`commhooks.ddp`), ranks per node from the launcher's environment (:mod:`commhooks.launch`).  The facts are needed while the state is built (the handshake checks the
 parameter names, the replica groups follow the ranks per node), so they cannot wait for the hook's
 registration.  This module sits with the adapters; the base imports it only inside the call.
 """
