@@ -8,7 +8,7 @@ when used), ``launch`` and ``checkpoint``; ``tools`` (trainer, benchmark)
 needs the ``commhooks[tools]`` extra.
 """
 
-from . import ddp, launch  # noqa: F401  (launch registers the ranks-per-node engine fact)
+from . import ddp, launch  # noqa: F401  (public submodules: commhooks.ddp.register, commhooks.launch.init_distributed)
 from ._version import __version__
 from .algorithms import ab, qsr
 from .algorithms.ab import ABConfig, ABState, LRRebound

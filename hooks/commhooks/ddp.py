@@ -27,8 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import registry
-from .algorithms.base import register_engine_facts
+from . import facts, registry
 from .comm import Comm
 from .config import load_config
 
@@ -39,15 +38,6 @@ def buffers_broadcast_each_forward(model) -> bool:
     if flag is None:
         flag = getattr(model, "broadcast_buffers", False)
     return bool(flag)
-
-
-def _ddp_facts(model) -> Optional[dict]:
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return {"module": model.module, "buffers_synced_each_forward": buffers_broadcast_each_forward(model)}
-    return None
-
-
-register_engine_facts(_ddp_facts)
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -173,7 +163,8 @@ def register(ddp_model, optimizer, config, process_group=None, scaler=None):
         ddp_model.register_comm_hook(state, allreduce_hook)
         return state
     state_class = registry.for_config(config).state_class
-    state = state_class(optimizer=optimizer, model=ddp_model, process_group=process_group, config=config)
+    state = state_class(optimizer=optimizer, model=ddp_model, engine=facts.for_model(ddp_model),
+                        process_group=process_group, config=config)
     if scaler is not None:
         state.use_scaler(scaler)
     ddp_model.register_comm_hook(state, comm_hook)

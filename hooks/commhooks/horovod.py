@@ -31,14 +31,11 @@ own ``hvd.DistributedOptimizer``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
 from typing import Optional
 
 import torch
 
-from . import registry
-from .algorithms.base import engine_facts
+from . import facts, launch_horovod, registry
 from .config import ConfigError, load_config
 
 
@@ -56,88 +53,16 @@ def process_set_ranks(config, world_size: int, local_world_size: int):
     return found
 
 
-_RENDEZVOUS = None  # rank 0's rendezvous server, alive as long as the process
-
-
-def gloo_environment(placement, addr: str, port: int) -> dict:
-    """The variables horovodrun would give this rank for Horovod's Gloo controller.
-
-    Nodes are the launcher's contiguous blocks of ``local_world_size`` ranks
-    (named ``node<i>``: the names only key the rendezvous scopes; the network
-    interface comes from ``HOROVOD_GLOO_IFACE`` if you set it, else the host name).
-    """
-    p = placement
-    if p.world_size % p.local_world_size:
-        from .launch import LaunchError
-
-        raise LaunchError(f"{p.source}: {p.world_size} ranks do not split into nodes of {p.local_world_size}; "
-                          "Horovod's Gloo controller needs the same number of ranks on every node")
-    return {
-        "HOROVOD_HOSTNAME": f"node{p.rank // p.local_world_size}",
-        "HOROVOD_RANK": str(p.rank), "HOROVOD_SIZE": str(p.world_size),
-        "HOROVOD_LOCAL_RANK": str(p.local_rank), "HOROVOD_LOCAL_SIZE": str(p.local_world_size),
-        "HOROVOD_CROSS_RANK": str(p.rank // p.local_world_size),
-        "HOROVOD_CROSS_SIZE": str(p.world_size // p.local_world_size),
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
-        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
-    }
-
-
-def _serve_rendezvous(placement, port: int):
-    """Rank 0: Horovod's own rendezvous HTTP server (what horovodrun runs), on ``port``."""
-    import threading
-
-    from horovod.runner.common.util.hosts import SlotInfo
-    from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
-
-    p, local = placement, placement.local_world_size
-    plan = [SlotInfo(hostname=f"node{r // local}", rank=r, local_rank=r % local, cross_rank=r // local,
-                     size=p.world_size, local_size=local, cross_size=p.world_size // local) for r in range(p.world_size)]
-    server = RendezvousHTTPServer(("0.0.0.0", port), RendezvousHandler, 0)
-    server.init(plan)
-    threading.Thread(target=server.serve_forever, name="commhooks-horovod-rendezvous", daemon=True).start()
-    return server
-
-
-def bootstrap_gloo(placement) -> None:
-    """Bring up Horovod's Gloo controller from an mpirun / mpiexec / srun / torchrun environment.
-
-    The rendezvous is rank 0: at ``MASTER_ADDR`` and ``MASTER_PORT + 1`` when
-    those are known (torchrun, SLURM: the port derived from the job id, or
-    exported), else at rank 0's host and a free port that mpi4py broadcasts
-    (Open MPI, MPICH).  Then each rank gets horovodrun's variables.
-    """
-    global _RENDEZVOUS
-    import copy
-
-    from . import launch
-
-    p = copy.copy(placement)
-    if p.master_addr is None and p.local_world_size == p.world_size:
-        p.master_addr = "127.0.0.1"
-    if p.master_port is not None and p.master_addr is not None:
-        port = p.master_port + 1
-    elif p.source in ("openmpi", "mpich"):
-        p.master_port = None
-        launch._fill_rendezvous_with_mpi(p)
-        port = p.master_port
-    else:
-        raise launch.LaunchError(f"{p.source} environment without MASTER_ADDR / MASTER_PORT: export them so Horovod's "
-                                 "rendezvous can be found (it listens at MASTER_PORT + 1 on rank 0)")
-    if p.rank == 0:
-        _RENDEZVOUS = _serve_rendezvous(p, port)
-    os.environ.update(gloo_environment(p, p.master_addr, port))
-
-
 def init(config=None, **hvd_kwargs):
     """``hvd.init()`` under any launcher, with static process sets for the groups ``config``'s algorithm needs
     (a list of configs: the groups of all of them).
 
     Under ``horovodrun`` it is ``hvd.init()``.  Under ``mpirun`` / ``mpiexec``
     / ``srun`` / ``torchrun`` (Horovod built without MPI, as here) it first
-    brings up Horovod's Gloo controller the way horovodrun does
-    (:func:`bootstrap_gloo`).  Then, whatever the launcher, a world that
-    differs from the launcher's is a LaunchError on every rank.
+    brings up Horovod's Gloo controller the way horovodrun does (the launch
+    code's :func:`commhooks.launch_horovod.bootstrap_gloo`).  Then, whatever
+    the launcher, a world that differs from the launcher's is a LaunchError
+    on every rank.
     """
     import horovod.torch as hvd
 
@@ -148,7 +73,7 @@ def init(config=None, **hvd_kwargs):
         check_world_size(placement.world_size, "Horovod (HOROVOD_SIZE)")  # before sets are planned for it
     if (placement is not None and placement.source != "horovod" and placement.world_size > 1
             and not hvd.is_initialized()):
-        bootstrap_gloo(placement)
+        launch_horovod.bootstrap_gloo(placement)
     sets = []
     if placement is not None and "process_sets" not in hvd_kwargs:
         sets = process_set_ranks(config, placement.world_size, placement.local_world_size)
@@ -189,7 +114,7 @@ class _HookedOptimizer:
         self.register_step_post_hook(lambda opt, args, kwargs: setattr(self, "_synchronized", False))
         comm = HorovodComm()
         hvd = comm.hvd
-        engine = dataclasses.replace(engine_facts(model), local_world_size=hvd.local_size())
+        engine = facts.for_model(model, local_world_size=hvd.local_size())
         state_class = registry.for_config(conf).state_class
         self.comm_hook_state = state_class(optimizer=self, model=model, named_parameters=named, engine=engine,
                                            comm=comm, config=conf)

@@ -38,8 +38,6 @@ from typing import List, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .algorithms.base import register_engine_facts
-
 
 class LaunchError(RuntimeError):
     """The launcher's environment is missing a variable or contradicts itself."""
@@ -196,18 +194,6 @@ def check_world_size(actual: int, what: str, env: Optional[Mapping[str, str]] = 
             "would train as separate jobs. Bring the backend up from the launcher's environment "
             "(commhooks.horovod.init() does it for Horovod under mpirun, mpiexec, srun and torchrun; "
             "do not export HOROVOD_RANK / HOROVOD_SIZE or WORLD_SIZE by hand)")
-
-
-def _launch_facts(model) -> Optional[dict]:
-    """Ranks per node, for the algorithms' engine facts (see :func:`commhooks.algorithms.base.engine_facts`)."""
-    try:
-        p = discover()
-    except LaunchError:
-        return None
-    return None if p is None else {"local_world_size": p.local_world_size}
-
-
-register_engine_facts(_launch_facts)
 
 
 def free_port(host: str = "") -> int:

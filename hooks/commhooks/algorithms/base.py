@@ -55,10 +55,10 @@ chooses what to call from what the state *declares*, never from its name):
 
 Engine facts reach the state as an :class:`EngineFacts` (the unwrapped
 module, whether the engine re-broadcasts buffers on every forward, ranks per
-node from the launcher): adapters pass them, or providers registered by the
-adapters and the launch layer (:func:`register_engine_facts`) derive them
-from the model handed in.  Algorithm code never reads an engine attribute or
-an environment variable itself.
+node from the launcher): adapters pass them; for a state built by hand the
+base asks :mod:`commhooks.facts` (imported at the call) to derive them from
+the model.  Algorithm code never reads an engine attribute or an environment
+variable itself.
 
 Writing a new algorithm: subclass, set ``reduces_gradients`` if it touches
 gradients, implement :meth:`after_step` (and :meth:`before_step`,
@@ -175,22 +175,13 @@ class EngineFacts:
     # id(view) -> (flat parameter, start, end) (DeepSpeed's fused fp16/bf16 master), for per-tensor optimizer state
 
 
-_FACT_PROVIDERS: List[Callable[[object], Optional[dict]]] = []
+def _facts_of_hand_built_state(model) -> EngineFacts:
+    """The facts for a state built by hand (no ``engine=``: ``QSRState(optimizer, model=ddp_model)``), from
+    :func:`commhooks.facts.for_model`, the adapters' module that knows where each fact comes from.  Imported
+    here, at the call: this layer names no engine, reads no environment and holds no registry."""
+    from ..facts import for_model
 
-
-def register_engine_facts(provider: Callable[[object], Optional[dict]]) -> None:
-    """Add a function ``model -> dict of EngineFacts fields (or None)``; adapters and the launch layer
-    register one each, so a state built from a wrapped model learns the facts without naming an engine."""
-    if provider not in _FACT_PROVIDERS:
-        _FACT_PROVIDERS.append(provider)
-
-
-def engine_facts(model) -> EngineFacts:
-    """The facts the registered providers derive from ``model`` (later providers win on a conflict)."""
-    found: dict = {"module": model}
-    for provider in _FACT_PROVIDERS:
-        found.update(provider(model) or {})
-    return EngineFacts(**found)
+    return for_model(model)
 
 
 class AlgorithmState:
@@ -232,7 +223,7 @@ class AlgorithmState:
         self.config = self._resolve_config(config, settings)
         self.optimizers = self._optimizer_list(optimizer)
         self.optimizer = self.optimizers[0]
-        self.engine = engine if engine is not None else engine_facts(model)
+        self.engine = engine if engine is not None else _facts_of_hand_built_state(model)
         self.module = self.engine.module
         self.parameter_set = ParameterSet(self.module, self.optimizers, named_parameters, self.engine.master_slices)
         # where the synced tensors live: every tensor the state hands to a collective is made there (an

@@ -157,5 +157,7 @@ class TorchComm(Comm):
             self._wait(work, self.world, self.device)
 
     def _make_group(self, ranks: Tuple[int, ...]) -> Any:
+        if len(ranks) == 1:
+            return None  # one-rank groups never communicate (the collectives return first): no process group
         timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
         return dist.new_group([self._global_ranks[r] for r in ranks], timeout=timeout)

@@ -26,7 +26,6 @@ overflow outside the closure): refused with a ConfigError; ``"bf16-mixed"`` and 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import List, Optional
 
@@ -34,8 +33,7 @@ import torch
 from lightning.pytorch import Callback
 
 from .. import ddp as ddp_adapter
-from .. import registry
-from ..algorithms.base import engine_facts
+from .. import facts, registry
 from ..config import ConfigError, load_config
 from ._common import fill_schedule, load_ranks, save_ranks
 
@@ -81,8 +79,8 @@ class CommHookCallback(Callback):
         fill_schedule(self.config, int(steps) if steps != float("inf") else None, None)
         optimizers = list(trainer.optimizers)
         state_class = registry.for_config(self.config).state_class
-        facts = dataclasses.replace(engine_facts(ddp_model), drives_steps=True)  # Lightning's hooks drive the steps
-        self.state = state_class(optimizer=optimizers, model=ddp_model, engine=facts, config=self.config)
+        engine = facts.for_model(ddp_model, drives_steps=True)  # Lightning's hooks drive the steps
+        self.state = state_class(optimizer=optimizers, model=ddp_model, engine=engine, config=self.config)
         ddp_model.register_comm_hook(self.state, ddp_adapter.comm_hook)
         ddp_adapter._join_includes(ddp_model, self.state)
         for opt in self.state.optimizers:
