@@ -11,11 +11,12 @@ headers and retransmissions included.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Dict, Optional
 
 import torch.distributed as dist
+
+from ..deepspeed._compat import comm_backend
 
 
 class PayloadCounter:
@@ -83,8 +84,7 @@ class PayloadCounter:
         for name in self.FUNCTIONS:
             if hasattr(dist, name):
                 self._wrap(dist, name, name)
-        ds_comm = sys.modules.get("deepspeed.comm.comm")
-        backend = getattr(ds_comm, "cdb", None)
+        backend = comm_backend()  # DeepSpeed's, if loaded (its internals: commhooks.deepspeed._compat)
         for attr, name in (("reduce_scatter_function", "reduce_scatter_tensor"),
                            ("all_gather_function", "all_gather_into_tensor")):
             if getattr(backend, attr, None) is not None:
