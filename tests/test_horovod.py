@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 
-from commhooks.algorithms.alignment import STEP_PROOF_BYTES
+from commhooks import registry
+from commhooks.algorithms.traffic import Setting
+from commhooks.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -72,10 +74,13 @@ def check_toy(toy, engine, steps):
     """The test-file algorithm ran through the adapter unchanged: same parameters and bytes as through DDP,
     and the same parameters as plain DDP (it is an every-step gradient mean)."""
     (w_ddp, b_ddp, s_ddp), (w_eng, b_eng, s_eng) = toy["ddp"], toy[engine]
-    numel = sum(t.numel() for t in w_ddp.values())
     assert s_ddp == s_eng == steps
-    # grads every step + params (and the step proof) every 3
-    assert b_ddp == b_eng == 4 * numel * (steps + steps // 3) + STEP_PROOF_BYTES * (steps // 3), (b_ddp, b_eng)
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+    from toy_algorithm import TOY  # registers the toy and its traffic declaration (as test_contract imports it)
+
+    traffic = registry.declared_traffic(load_config(TOY),
+                                        Setting.of([(n, tuple(t.shape)) for n, t in w_ddp.items()], steps=steps))
+    assert b_ddp == b_eng == traffic.bytes(), (b_ddp, b_eng, traffic.bytes())  # what the toy declares
     for n in w_ddp:
         assert torch.allclose(w_ddp[n], w_eng[n], atol=1e-5, rtol=1e-4), (engine, n)
         assert torch.allclose(w_ddp[n], toy["plain"][n], atol=1e-5, rtol=1e-4), ("plain DDP", n)

@@ -1,4 +1,4 @@
-"""Engine facts: where each :class:`~commhooks.algorithms.base.EngineFacts` field comes from.
+"""Engine facts: where each :class:`~commhooks.algorithms.engine_facts.EngineFacts` field comes from.
 
 An algorithm needs a few facts only the engine and the launcher know (the unwrapped module, whether DDP
 re-broadcasts buffers on every forward, ranks per node).  Algorithm code may not find them out itself (it
@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .algorithms.base import EngineFacts
+from .algorithms.engine_facts import EngineFacts
 
 
 def launcher_local_world_size() -> Optional[int]:

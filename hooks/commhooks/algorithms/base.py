@@ -70,10 +70,9 @@ documentation's design page ("Adding an algorithm").
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import warnings
-from typing import Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -83,105 +82,13 @@ from ..config import ConfigError, HookConfig, from_dict, load_config, to_dict
 from . import alignment, reporting
 from .averaging import average_, float_buffers
 from .consistency import verify_identical, verify_same_everywhere
-from .parameters import ParameterSet
+from .engine_facts import EngineFacts, _facts_of_hand_built_state
+from .helpers import tensors_to, unwrap_optimizer, user_stacklevel  # noqa: F401  (their old home: re-exported)
+from .parameters import ParameterSet, reduce_strays
 from .step_alignment import StepAlignment
 
 
 log = logging.getLogger("commhooks")
-
-
-_PACKAGE = __file__.rsplit("/algorithms/", 1)[0]  # .../commhooks
-_TORCH = torch.__file__.rsplit("/", 1)[0]
-
-
-def user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning point at the user's line (the first frame outside commhooks and
-    torch: the ``optimizer.step()`` or ``engine.step()`` of the loop), however deep the hooks call it."""
-    import sys
-
-    frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
-                                 or frame.f_code.co_filename.startswith(_TORCH)):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def unwrap_optimizer(optimizer):
-    """The torch optimizer inside a framework's wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
-    ``LightningOptimizer``: both keep it as ``.optimizer``); the optimizer itself otherwise.  The step hooks
-    the state registers must sit on the optimizer whose ``step()`` really runs."""
-    seen = set()
-    while id(optimizer) not in seen:
-        seen.add(id(optimizer))
-        inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
-            break
-        optimizer = inner
-    return optimizer
-
-
-def tensors_to(obj, device: torch.device):
-    """``obj`` (dicts, lists, tuples of tensors and plain values) with every tensor on ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: tensors_to(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(tensors_to(v, device) for v in obj)
-    return obj
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineFacts:
-    """What the engine knows and the algorithm needs, handed over by the adapter.
-
-    * ``module``: the user's model, unwrapped (its parameters and buffers are
-      what a sync averages; its parameter names are what config patterns match).
-    * ``buffers_synced_each_forward``: the engine re-broadcasts buffers from
-      rank 0 on every forward (DDP's ``broadcast_buffers``), so averaging
-      them is moot.
-    * ``local_world_size``: ranks per node, from the launcher (``None``:
-      unknown, the algorithm treats the world as one node).
-    * ``drives_steps``: the engine calls :meth:`AlgorithmState.begin_step` /
-      :meth:`~AlgorithmState.end_step` itself, once per optimizer step,
-      instead of the optimizer's step hooks (DeepSpeed's mixed-precision and
-      ZeRO wrappers call the inner optimizer once per param group, or not at
-      all on an fp16 overflow).
-    * ``replica_data_parallel``: the engine runs its own data parallelism
-      inside each replica group (gradients averaged every step, ZeRO shards
-      the optimizer inside the group); the tensors the state was given are
-      this rank's *shard* of the group's replica, so a sync averages them
-      with the same shard of the other groups (rank i of every group).
-    * ``lr_may_differ``: the engine may skip an lr-scheduler step on some
-      ranks only (DeepSpeed's fp16 loss scaler on an overflow), so
-      lr-dependent periods are agreed across ranks once per round.
-    * ``tensors_changed``: called right after the state changed the synced
-      tensors outside an optimizer step (a sync, a re-basis); DeepSpeed
-      refreshes the low-precision weights from the fp32 masters there.
-    * ``master_slices``: the tensors handed over are per-parameter views into
-      the engine's flat fp32 master (DeepSpeed's fused optimizers keep one per
-      group), so per-layer algorithms see each layer's matrix; this maps each
-      view to its stretch of the flat parameter, whose optimizer state is one.
-    """
-
-    module: Optional[torch.nn.Module] = None
-    buffers_synced_each_forward: bool = False
-    local_world_size: Optional[int] = None
-    drives_steps: bool = False
-    replica_data_parallel: bool = False
-    lr_may_differ: bool = False
-    tensors_changed: Optional[Callable[[], None]] = None
-    master_slices: Optional[dict] = None  # the tensors handed over are views into flat optimizer parameters:
-    # id(view) -> (flat parameter, start, end) (DeepSpeed's fused fp16/bf16 master), for per-tensor optimizer state
-
-
-def _facts_of_hand_built_state(model) -> EngineFacts:
-    """The facts for a state built by hand (no ``engine=``: ``QSRState(optimizer, model=ddp_model)``), from
-    :func:`commhooks.facts.for_model`, the adapters' module that knows where each fact comes from.  Imported
-    here, at the call: this layer names no engine, reads no environment and holds no registry."""
-    from ..facts import for_model
-
-    return for_model(model)
 
 
 class AlgorithmState:
@@ -417,42 +324,9 @@ class AlgorithmState:
         return self.reduce_gradients(grads, params, flat)
 
     def _reduce_strays(self, shadow: bool = False) -> None:
-        """Reduce, as :meth:`reduce_gradients` would, the gradients of trainable parameters the engine did not
-        hand over this step (DDP builds its buckets once: a layer unfrozen later is never in one), so the ranks
-        do not drift apart where the algorithm keeps them together.  Only when the engine reduced something
-        this step (it hands gradients over); a missing gradient counts as zero, so every rank sends the same.
-        ``shadow``: a joined rank's part (zeros, its gradients untouched), so the collectives pair up.
-
-        A parameter no rank had a gradient for keeps none, so its optimizer leaves it alone as DDP leaves an
-        unused parameter (a one-flag-per-stray allreduce and one host read per step while strays exist; rebuild
-        DDP after unfreezing to have none)."""
-        if not self._reduced:
-            return
-        strays = [p for p in self.parameter_set.trainable() if id(p) not in self._reduced]
-        self._reduced = set()
-        if not strays:
-            return
-        had = torch.tensor([0.0 if shadow or p.grad is None else 1.0 for p in strays], device=self.device)
-        if shadow:
-            grads = [torch.zeros_like(p) for p in strays]
-            missing = []
-        else:
-            missing = [p for p in strays if p.grad is None]
-            for p in missing:
-                p.grad = torch.zeros_like(p)
-            grads = [p.grad for p in strays]
-        by_kind: Dict[tuple, List[int]] = {}
-        for i, g in enumerate(grads):
-            by_kind.setdefault((g.dtype, g.device), []).append(i)
-        with self.collective_context():
-            for same in by_kind.values():
-                self.reduce_gradients([grads[i] for i in same], [strays[i] for i in same]).wait()
-            self.comm.allreduce([had], op="max", tag="strays", metered=False)  # did any rank have a gradient?
-        if missing:
-            anyone = dict(zip(map(id, strays), had.tolist()))
-            for p in missing:
-                if not anyone[id(p)]:
-                    p.grad = None
+        """Reduce the gradients of trainable parameters the engine did not hand over this step
+        (:func:`~.parameters.reduce_strays`; ``shadow``: a joined rank's part, zeros)."""
+        reduce_strays(self, shadow)
 
     def begin_step(self) -> None:
         """Before each iteration's first optimizer step: tell a Join context this rank is still training,

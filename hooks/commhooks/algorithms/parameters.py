@@ -88,3 +88,42 @@ class ParameterSet:
             return []
         covered = {id(p) for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
         return [n for n, p in named if p.requires_grad and id(p) not in covered]
+
+
+def reduce_strays(state, shadow: bool = False) -> None:
+    """Reduce, as :meth:`reduce_gradients` would, the gradients of trainable parameters the engine did not
+    hand over this step (DDP builds its buckets once: a layer unfrozen later is never in one), so the ranks
+    do not drift apart where the algorithm keeps them together.  Only when the engine reduced something
+    this step (it hands gradients over); a missing gradient counts as zero, so every rank sends the same.
+    ``shadow``: a joined rank's part (zeros, its gradients untouched), so the collectives pair up.
+
+    A parameter no rank had a gradient for keeps none, so its optimizer leaves it alone as DDP leaves an
+    unused parameter (a one-flag-per-stray allreduce and one host read per step while strays exist; rebuild
+    DDP after unfreezing to have none)."""
+    if not state._reduced:
+        return
+    strays = [p for p in state.parameter_set.trainable() if id(p) not in state._reduced]
+    state._reduced = set()
+    if not strays:
+        return
+    had = torch.tensor([0.0 if shadow or p.grad is None else 1.0 for p in strays], device=state.device)
+    if shadow:
+        grads = [torch.zeros_like(p) for p in strays]
+        missing = []
+    else:
+        missing = [p for p in strays if p.grad is None]
+        for p in missing:
+            p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in strays]
+    by_kind: Dict[tuple, List[int]] = {}
+    for i, g in enumerate(grads):
+        by_kind.setdefault((g.dtype, g.device), []).append(i)
+    with state.collective_context():
+        for same in by_kind.values():
+            state.reduce_gradients([grads[i] for i in same], [strays[i] for i in same]).wait()
+        state.comm.allreduce([had], op="max", tag="strays", metered=False)  # did any rank have a gradient?
+    if missing:
+        anyone = dict(zip(map(id, strays), had.tolist()))
+        for p in missing:
+            if not anyone[id(p)]:
+                p.grad = None

@@ -44,7 +44,7 @@ through the :class:`~commhooks.algorithms.base.AlgorithmState` contract.
 from __future__ import annotations
 
 import warnings
-from typing import ClassVar, Dict, List, Literal, Optional, Sequence, Tuple
+from typing import ClassVar, Dict, List, Literal, Optional, Tuple
 
 import torch
 from pydantic import Field
@@ -55,7 +55,8 @@ from .averaging import float_buffers, optimizer_moments
 from ..comm import Group
 from . import replicas
 from ..config import ConfigError
-from .base import AlgorithmState, user_stacklevel
+from .base import AlgorithmState
+from .helpers import user_stacklevel
 from .outer import OuterSync
 from .payload import PayloadFields
 from .pipeline import MeanSync, OuterSteps, RoundSchedule, SyncCover

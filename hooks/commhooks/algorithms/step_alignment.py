@@ -114,7 +114,7 @@ class StepAlignment:
         state = self.state
         if self.scaler is None:
             if state.reduces_gradients and not self._warned_scales:
-                from .base import user_stacklevel
+                from .helpers import user_stacklevel
 
                 self._warned_scales = True
                 warnings.warn(

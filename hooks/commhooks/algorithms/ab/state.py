@@ -50,7 +50,8 @@ from ...comm import Work
 from ...comm.base import flatten
 from ...config import ConfigError
 from ..averaging import clear_optimizer_state
-from ..base import AlgorithmState, tensors_to, user_stacklevel
+from ..base import AlgorithmState
+from ..helpers import tensors_to, user_stacklevel
 from ..outer import OuterSync
 from . import transitions
 from .groups import make_groups
