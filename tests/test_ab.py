@@ -156,6 +156,8 @@ def test_ab_state_takes_the_optimizer_first_and_the_old_order_with_a_warning():
     with pytest.warns(DeprecationWarning, match=r"ABState\(optimizer, model=model"):
         with pytest.raises(ConfigError, match="sync_priod"):  # the old order reached the config check
             commhooks.ABState(model, opt, sync_priod=3)
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="sync_priod"):
+        commhooks.ABState(model, optimizer=opt, sync_priod=3)  # the model positional, the optimizer by keyword
     with pytest.raises(TypeError, match=r"one positional argument, the optimizer"):
         commhooks.ABState(opt, model, sync_period=3)
     with pytest.raises(TypeError, match=r"the optimizer first, the model by keyword"):

@@ -147,6 +147,20 @@ def _worker(rank, world):
     conf = {"type": "qsr", "h_base": 4, "alpha": 0.0, "overlap_steps": 1, "overlap_merge": "mix",
             "overlap_alpha": 0.5, "fragments": 2}
     out["forced"] = _forced_sync(conf, 8)
+    # total_steps filled in after the state was built (as the Trainer with DeepSpeed does): the last round still
+    # ends with every fragment landed, the ranks identical
+    net = DDP(_net(), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), **SGD)
+    state = commhooks.ddp.register(net, opt, {"type": "qsr", "h_base": 4, "alpha": 0.0, "overlap_steps": 2,
+                                              "fragments": 2})
+    state.config.total_steps = 10
+    for step in range(10):
+        opt.zero_grad()
+        x, y = _batch(step, dist.get_rank())
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+    out["late_total"] = (state.in_sync_at(), sorted(state.outer.in_flight),
+                         torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
     # the timeline of the pipeline's docstring, as the DEBUG log of a run shows it
     lines = []
     handler = logging.Handler(logging.DEBUG)
@@ -178,6 +192,12 @@ def test_streamed_sync_equals_the_written_out_reference(results, case):
     for r in results:
         hooked, reference = r[case][:2]
         assert _close(hooked, reference), {k: (hooked[k] - reference[k]).abs().max() for k in hooked}
+
+
+def test_total_steps_filled_in_later_still_ends_the_run_synced(results):
+    for r in results:
+        assert r["late_total"][:2] == (10, [])
+    assert torch.equal(results[0]["late_total"][2], results[1]["late_total"][2])
 
 
 def _docstring_timeline():

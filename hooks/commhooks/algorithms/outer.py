@@ -248,4 +248,6 @@ class OuterSync:
         if state.get("buffer") is not None and self.make_optimizer is not None:
             raise ValueError("the checkpoint's outer step is the built-in one with momentum; its momentum would be "
                              "lost under an outer_optimizer: resume without outer_optimizer")
-        self.optimizer, self._optimizer_state = None, state.get("optimizer")
+        import copy
+
+        self.optimizer, self._optimizer_state = None, copy.deepcopy(state.get("optimizer"))  # (torch keeps tensors)

@@ -111,14 +111,13 @@ class SyncCover:
             comm.broadcast(part, src=src, group=self.replica, tag="share-part")
 
 
-@dataclasses.dataclass(frozen=True)
 class RoundSchedule:
-    """When each fragment is sent and lands (the timeline in the module docstring)."""
+    """When each fragment is sent and lands (the timeline in the module docstring).  ``config`` is read at each
+    call: an integration may fill ``total_steps`` after the state is built (the Trainer with DeepSpeed does)."""
 
-    fragments: int = 1
-    overlap_steps: int = 0
-    total_steps: Optional[int] = None
-    streaming: bool = False  # rounds may end with the ranks apart (overlap or fragments)
+    def __init__(self, config, fragments: int = 1, streaming: bool = False):
+        self.config, self.fragments = config, fragments
+        self.streaming = streaming  # rounds may end with the ranks apart (overlap or fragments)
 
     def sends(self, since_sync: int, period: int) -> List[int]:
         """The fragments sent after step ``since_sync`` (1..period) of a round of ``period`` steps."""
@@ -126,12 +125,14 @@ class RoundSchedule:
 
     def ends_run(self, step: int) -> bool:
         """At optimizer ``step`` the run's last round closes: streamed syncs end with one blocking sync of all."""
-        return self.streaming and self.total_steps is not None and step >= self.total_steps
+        total = self.config.total_steps
+        return self.streaming and total is not None and step >= total
 
     def lands_at(self, step: int, blocking: bool) -> int:
         """The step a sync sent after ``step`` lands at: ``overlap_steps`` later, never past ``total_steps``."""
-        at = step if blocking else step + self.overlap_steps
-        return at if self.total_steps is None else min(at, max(step, self.total_steps))
+        at = step if blocking else step + self.config.overlap_steps
+        total = self.config.total_steps
+        return at if total is None else min(at, max(step, total))
 
 
 class MeanSync:

@@ -190,7 +190,7 @@ class QSRState(AlgorithmState):
             groups = groups + replicas.across_groups(groups)
         return groups
 
-    def __init__(self, optimizer=None, *, outer_optimizer=None, **kwargs):
+    def __init__(self, optimizer, *, outer_optimizer=None, **kwargs):
         """``outer_optimizer``: ``params -> torch.optim optimizer`` to take the DiLoCo outer step in place of the
         built-in SGD with (Nesterov) momentum, as in torchft (e.g. ``lambda ps: torch.optim.SGD(ps, lr=0.7,
         momentum=0.9, nesterov=True)``, which takes the built-in's steps); it replaces ``outer_lr``,
@@ -231,7 +231,7 @@ class QSRState(AlgorithmState):
                                                 make_optimizer=self.outer_optimizer),
             c.fragments, c.overlap_merge, c.overlap_alpha, streaming
         ) if c.pseudo_gradient or self.outer_optimizer is not None else MeanSync(self, self.cover)
-        self.schedule = RoundSchedule(self.transport.fragments, c.overlap_steps, c.total_steps, streaming)
+        self.schedule = RoundSchedule(c, self.transport.fragments, streaming)
         self._lr_sums = [0.0] * self.transport.fragments
         self._complete_at: Optional[int] = None  # last step after which every rank held the same weights
         self._check_streaming()
@@ -361,8 +361,8 @@ class QSRState(AlgorithmState):
                 self._send(k)
         elif self.schedule.ends_run(self.step):
             self.sync()
-        else:
-            self._end_round(self.schedule.sends(self.since_sync, self.H))
+        else:  # the fragments scheduled at the round's last step
+            self._end_round(self.schedule.sends(self.H, self.H))
 
     def sync_named(self) -> List[Tuple[str, torch.Tensor]]:
         """Parameters, floating buffers (``average_buffers``), optimizer moments (``average_optimizer_state``)."""

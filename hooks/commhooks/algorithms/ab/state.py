@@ -84,16 +84,18 @@ class ABState(AlgorithmState):
         """In AB phases the groups train different factors: their models differ until the sync."""
         return len(self.group_ranks) > 1
 
-    def __init__(self, optimizer=None, *legacy, model: Optional[torch.nn.Module] = None, **kwargs):
-        if isinstance(optimizer, torch.nn.Module):  # ABState(model, optimizer, ...): the order before 2026-12-05
-            if model is not None or len(legacy) != 1:
+    def __init__(self, *args, model: Optional[torch.nn.Module] = None, optimizer=None, **kwargs):
+        if args and isinstance(args[0], torch.nn.Module):  # ABState(model, optimizer, ...): before 2026-12-05
+            if model is not None or len(args) + (optimizer is not None) != 2:
                 raise TypeError("ABState(optimizer, model=model, ...): the optimizer first, the model by keyword")
             warnings.warn("ABState(model, optimizer, ...) is deprecated: write ABState(optimizer, model=model, ...), "
                           "as every commhooks state takes them", DeprecationWarning, stacklevel=2)
-            model, optimizer = optimizer, legacy[0]
-        elif legacy:
-            raise TypeError(f"ABState takes one positional argument, the optimizer (got {1 + len(legacy)}): "
+            model, optimizer = args[0], args[1] if len(args) == 2 else optimizer
+        elif len(args) > 1 or (args and optimizer is not None):
+            raise TypeError(f"ABState takes one positional argument, the optimizer (got {len(args)}): "
                             "ABState(optimizer, model=model, ...)")
+        elif args:
+            optimizer = args[0]
         if optimizer is None:
             raise TypeError("ABState needs the optimizer: ABState(optimizer, model=model, ...)")
         if model is None and kwargs.get("named_parameters") is None and kwargs.get("engine") is None:
