@@ -188,9 +188,12 @@ def test_any_torch_optimizer_takes_the_outer_step(results):
 
 def test_outer_optimizer_refuses_the_built_in_keys():
     net = _net()
-    with pytest.raises(ConfigError, match=r"qsr.outer_lr \(0.7\) and qsr.outer_momentum"):
-        commhooks.QSRState(torch.optim.SGD(net.parameters(), lr=0.1), model=net, outer_lr=0.7,
-                           outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7))
+    for keys, named in (({"outer_lr": 0.7}, r"qsr.outer_lr \(0.7\): the built-in"),
+                        ({"outer_lr": 1.0}, r"qsr.outer_lr \(1.0\): the built-in"),  # the default, given: refused too
+                        ({"outer_nesterov": False}, r"^qsr.outer_nesterov \(False\): the built-in")):
+        with pytest.raises(ConfigError, match=named):
+            commhooks.QSRState(torch.optim.SGD(net.parameters(), lr=0.1), model=net, **keys,
+                               outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7))
 
 
 def test_error_feedback_carries_the_residual(results):

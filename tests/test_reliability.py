@@ -169,6 +169,9 @@ def _mismatched(rank, world, what):
     settings = {"h_base": 2 + rank} if what == "config" else {"h_base": 2}
     if what == "version" and rank == 1:
         commhooks.algorithms.base.__version__ = "0.0.0-other"
+    if what == "outer":  # another outer optimizer on each rank
+        lr = 0.7 if rank == 0 else 0.5
+        settings["outer_optimizer"] = lambda ps: torch.optim.SGD(ps, lr=lr)
     try:
         commhooks.QSRState(opt, model=net, **settings)
     except ConfigError as exc:
@@ -176,12 +179,15 @@ def _mismatched(rank, world, what):
     return None
 
 
-@pytest.mark.parametrize("what", ["config", "version"])
+@pytest.mark.parametrize("what", ["config", "version", "outer"])
 def test_mismatched_config_or_version_fails_on_every_rank(what):
     messages = run_ranks(_mismatched, 2, what=what)
     for m in messages:
         assert m is not None and "the QSR hook differs across ranks" in m, messages
-    assert '"h_base": 3' in messages[1] if what == "config" else "0.0.0-other" in messages[1]
+    named = {"config": "differs across ranks in config.h_base (", "version": "differs across ranks in version (",
+             "outer": "differs across ranks in outer_optimizer ("}[what]
+    assert all(named in m for m in messages), messages  # the key that differs, named on every rank
+    assert {"config": '"h_base": 3', "version": "0.0.0-other", "outer": "0.5"}[what] in messages[1], messages[1]
 
 
 class CorruptingComm(TorchComm):

@@ -56,10 +56,43 @@ def verify_same_everywhere(comm: Comm, what: str, description: dict) -> None:
                          device=comm.device)
     hi, lo = spread_over_ranks(comm, words)
     if not torch.equal(hi, lo):
+        differ = _keys_that_differ(comm, description)  # a second round, only on a mismatch (every rank enters it)
+        nested: Dict[str, object] = {}
+        for key, value in differ.items():  # back into the description's shape: {"config": {"h_base": 3}}
+            outer, _, inner = key.partition(".")
+            if inner and isinstance(description.get(outer), dict):
+                nested.setdefault(outer, {})[inner] = value
+            else:
+                nested[key] = value
+        mine = json.dumps(nested, sort_keys=True, default=str) if differ else ""
         raise ConfigError(
-            f"{what} differs across ranks (same hook config, world layout and commhooks version are required on "
-            f"every rank); this rank ({comm.rank}) has: {json.dumps(description, sort_keys=True, default=str)}"
+            f"{what} differs across ranks in {', '.join(differ) or 'a key this rank does not have'} (same hook "
+            f"config, world layout and commhooks version are required on every rank); this rank ({comm.rank}) has: "
+            f"{mine or json.dumps(description, sort_keys=True, default=str)}"
         )
+
+
+_SLOTS = 4096  # (32 kB, on the error path only: two keys share a slot rarely, then both are named)
+
+
+def _keys_that_differ(comm: Comm, description: dict) -> Dict[str, object]:
+    """The keys of ``description`` (one level into dicts: ``config.h_base``) whose values differ on some rank, with
+    this rank's values.  Each key's digest is summed into one of a fixed number of slots (chosen by the key's
+    name), so the ranks' tensors line up even when their keys differ."""
+    flat: Dict[str, object] = {}
+    for key, value in description.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    slot = {k: int.from_bytes(hashlib.sha256(k.encode()).digest()[:2], "big") % _SLOTS for k in flat}
+    sums = torch.zeros(_SLOTS, dtype=torch.float64, device=comm.device)
+    for k, v in flat.items():
+        digest = hashlib.sha256(f"{k}={json.dumps(v, sort_keys=True, default=str)}".encode()).digest()
+        sums[slot[k]] += int.from_bytes(digest[:3], "big")  # sums of 24-bit integers: exact in float64
+    hi, lo = spread_over_ranks(comm, sums)
+    bad = set((hi != lo).nonzero().reshape(-1).tolist())  # one host read, on the error path
+    return {k: v for k, v in flat.items() if slot[k] in bad}
 
 
 def verify_identical(comm: Comm, named: Sequence[Tuple[str, torch.Tensor]], when: str, group=None) -> None:

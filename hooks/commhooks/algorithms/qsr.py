@@ -282,9 +282,10 @@ class QSRState(AlgorithmState):
 
     def validate(self) -> None:
         c = self.config
-        if self.outer_optimizer is not None and (c.outer_lr != 1.0 or c.outer_momentum != 0.0):
-            raise ConfigError(f"qsr.outer_lr ({c.outer_lr}) and qsr.outer_momentum ({c.outer_momentum}) belong to the "
-                              "built-in outer step; with outer_optimizer= set them in that optimizer (leave the keys out)")
+        builtin = sorted({"outer_lr", "outer_momentum", "outer_nesterov"} & c.model_fields_set)
+        if self.outer_optimizer is not None and builtin:
+            raise ConfigError(f"{', '.join(f'qsr.{k} ({getattr(c, k)})' for k in builtin)}: the built-in outer step's; "
+                              "with outer_optimizer= set them in that optimizer (leave the keys out)")
         if self.outer_optimizer is not None and not callable(self.outer_optimizer):
             raise ConfigError("outer_optimizer must be a function params -> torch.optim optimizer, got "
                               f"{type(self.outer_optimizer).__name__}")

@@ -9,6 +9,14 @@ from __future__ import annotations
 from typing import Dict
 
 
+def size(nbytes: float) -> str:
+    """Bytes in a unit that shows them: ``1.64 kB``, ``19.28 MB`` (a small model's sends are not ``0.00 MB``)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
 def allreduce_bytes_per_step(state) -> int:
     """What plain data parallelism sends per rank per optimizer step: one fp32 allreduce payload of the
     model's trainable parameters (the baseline of ``report()["bytes_vs_allreduce"]``)."""
@@ -46,13 +54,13 @@ def log_line(state) -> str:
     share = f" ({sent / dense:.1%})" if dense else ""
     status = state.status()
     return (f"{state.display_name} step {state.step}{' | ' + status if status else ''} | syncs {state.syncs} | "
-            f"sent {sent / 1e6:.2f} MB{share} of plain allreduce's {dense / 1e6:.2f} MB")
+            f"sent {size(sent)}{share} of plain allreduce's {size(dense)}")
 
 
 def format_report(state) -> str:
     """:func:`report` as lines for a log."""
     r = state.report()
-    head = f"{type(state).__name__} report: step {r['step']}, syncs {r['syncs']}, {r['bytes'] / 1e6:.2f} MB sent"
+    head = f"{type(state).__name__} report: step {r['step']}, syncs {r['syncs']}, {size(r['bytes'])} sent"
     rest = [f"  {k}: {v}" for k, v in r.items() if k not in ("algorithm", "step", "syncs", "bytes", "bytes_by_tag")]
-    tags = "  bytes by tag: " + ", ".join(f"{t}={b / 1e6:.2f}MB" for t, b in sorted(r["bytes_by_tag"].items()))
+    tags = "  bytes by tag: " + ", ".join(f"{t}={size(b)}" for t, b in sorted(r["bytes_by_tag"].items()))
     return "\n".join([head, *rest, tags])

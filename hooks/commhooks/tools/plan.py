@@ -159,10 +159,15 @@ def bench_schedule(setup: dict) -> Schedule:
 
 def read_config(path: str) -> dict:
     """A config file (or a shipped config's name; a DeepSpeed config: its ``"comm_hook"`` section) as a dict."""
-    from ..config import read_json
-    from ..shipped import find
+    from ..config import ConfigError, read_json
+    from ..shipped import find, is_bare_name
 
-    raw = read_json(path) if Path(path).is_file() else read_json(find(Path(path).name))
+    if not Path(path).is_file() and not is_bare_name(path):
+        raise ConfigError(f"config file {path!r} not found")
+    try:
+        raw = read_json(path) if Path(path).is_file() else read_json(find(path))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     return raw.get("comm_hook", raw) if isinstance(raw, dict) else raw
 
 
@@ -179,7 +184,7 @@ def declared(source: dict, shapes: Shapes, schedule: Schedule, layout: "Layout",
         return anchor_traffic(source["hook"], setting, source.get("powersgd_rank", 4), source.get("local_period", 8),
                               schedule.anchor_start)
     from .. import registry
-    from ..config import load_config
+    from ..config import ConfigError, load_config
 
     raw = source["config"] if isinstance(source["config"], dict) else read_config(source["config"])
     algorithm = registry.get(raw.get("type", ""))
@@ -187,7 +192,12 @@ def declared(source: dict, shapes: Shapes, schedule: Schedule, layout: "Layout",
     raw = {**raw, **{k: v for k, v in (overrides or {}).items() if k in fields}}
     if "total_steps" in fields:
         raw["total_steps"] = schedule.steps
-    return algorithm.declare_traffic(load_config(raw), setting)
+    try:
+        conf = load_config(raw)
+    except ConfigError as exc:  # which of several files
+        label = source.get("label") or (source["config"] if isinstance(source["config"], str) else None)
+        raise (ConfigError(f"{label}: {exc}") if label else exc) from None
+    return algorithm.declare_traffic(conf, setting)
 
 
 @dataclass
@@ -392,13 +402,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     shapes = model_shapes(args.model)
     schedule = Schedule(args.steps, args.warmup, args.peak_lr)
     layout = Layout(args.nodes, args.ranks_per_node, args.inter_gbit, args.intra_gbit, args.latency_us)
-    if args.declarations:  # (an unknown config file: ConfigError naming it)
-        print(declarations_table(args.config.split(",") if args.config else None, shapes, schedule, layout,
-                                 model_buffers(args.model)))
+    from ..config import ConfigError
+
+    if args.declarations:
+        try:
+            print(declarations_table(args.config.split(",") if args.config else None, shapes, schedule, layout,
+                                     model_buffers(args.model)))
+        except (ConfigError, KeyError) as exc:  # an unknown config, algorithm or key: say which
+            p.error(str(exc).strip('"'))
         return 0
     overhead, compute = {}, args.compute_ms
     calibration = json.loads(open(args.calibrate).read())["methods"] if args.calibrate else None
-    from ..config import ConfigError
 
     try:
         methods = _methods(args, schedule, shapes, layout)
@@ -471,7 +485,7 @@ def declarations_table(paths: Optional[Sequence[str]], shapes: Shapes, schedule:
         raw = read_config(path)
         if not isinstance(raw, dict) or raw.get("type") not in registry.names():
             continue
-        t = declared({"config": raw}, shapes, schedule, layout, buffers=buffers)
+        t = declared({"config": raw, "label": path}, shapes, schedule, layout, buffers=buffers)
         if t is None:
             continue
         bound = "" if t.exact else "<= "

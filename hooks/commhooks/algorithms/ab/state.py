@@ -52,6 +52,7 @@ from ...config import ConfigError
 from ..averaging import clear_optimizer_state
 from ..base import AlgorithmState
 from ..helpers import tensors_to, user_stacklevel
+from ..reporting import size
 from ..outer import OuterSync
 from . import transitions
 from .groups import make_groups
@@ -329,7 +330,7 @@ class ABState(AlgorithmState):
             k = "dense" if layer["rank"] is None else f"rank {layer['rank']}"
             lines.append(f"  {layer['name']:<28} {str(tuple(layer['shape'])):<18} {k:<10} {layer['compression']:>7.2f}:1")
         lines.append(f"  overall parameter compression {r['compression']:.2f}:1 ({r['params_dense']} -> {r['params_factored']})")
-        lines.append("  bytes by phase: " + ", ".join(f"{t}={b / 1e6:.2f}MB" for t, b in sorted(r["bytes_by_tag"].items())))
+        lines.append("  bytes by phase: " + ", ".join(f"{t}={size(b)}" for t, b in sorted(r["bytes_by_tag"].items())))
         return "\n".join(lines)
 
     # ---------------------------------------------------------- checkpointing
