@@ -48,6 +48,7 @@ steps (to rounding).  Its state is saved with the outer state.
 
 from __future__ import annotations
 
+import copy
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -231,8 +232,6 @@ class OuterSync:
 
     def state_dict(self) -> dict:
         """Copies: the live tensors change in place at the next sync."""
-        import copy
-
         state = {k: None if v is None else v.clone() for k, v in
                  (("anchor", self.anchor), ("buffer", self.buffer), ("residual", self.residual))}
         optimizer = self.optimizer.state_dict() if self.optimizer is not None else self._optimizer_state
@@ -248,6 +247,4 @@ class OuterSync:
         if state.get("buffer") is not None and self.make_optimizer is not None:
             raise ValueError("the checkpoint's outer step is the built-in one with momentum; its momentum would be "
                              "lost under an outer_optimizer: resume without outer_optimizer")
-        import copy
-
         self.optimizer, self._optimizer_state = None, copy.deepcopy(state.get("optimizer"))  # (torch keeps tensors)

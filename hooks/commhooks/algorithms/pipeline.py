@@ -54,6 +54,7 @@ import torch
 
 from ..comm import Comm, Work
 from ..config import ConfigError
+from .alignment import STEP_PROOF_BYTES
 from .outer import OuterSync
 from .streaming import run_views, send_points, split_fragments, split_views
 
@@ -112,12 +113,22 @@ class SyncCover:
 
 
 class RoundSchedule:
-    """When each fragment is sent and lands (the timeline in the module docstring).  ``config`` is read at each
-    call: an integration may fill ``total_steps`` after the state is built (the Trainer with DeepSpeed does)."""
+    """When each fragment is sent and lands (the timeline in the module docstring), for a config with
+    ``fragments``, ``overlap_steps``, ``total_steps`` and ``streaming``; the state and its traffic declaration
+    (:mod:`.qsr_traffic`) both follow it.  ``config`` is read at each call: an integration may fill
+    ``total_steps`` after the state is built (the Trainer with DeepSpeed does)."""
 
-    def __init__(self, config, fragments: int = 1, streaming: bool = False):
-        self.config, self.fragments = config, fragments
-        self.streaming = streaming  # rounds may end with the ranks apart (overlap or fragments)
+    def __init__(self, config):
+        self.config = config
+
+    @property
+    def fragments(self) -> int:
+        return self.config.fragments
+
+    @property
+    def streaming(self) -> bool:
+        """Rounds may end with the ranks apart (overlap or fragments)."""
+        return self.config.streaming
 
     def sends(self, since_sync: int, period: int) -> List[int]:
         """The fragments sent after step ``since_sync`` (1..period) of a round of ``period`` steps."""
@@ -360,8 +371,6 @@ class OuterSteps:
                 out[kind] = out.get(kind, 0) + n
         codec = self.streams.outers[0].codec
         if codec.name != "fp32" and self.in_flight:
-            from .alignment import STEP_PROOF_BYTES
-
             numels = [sum(b - a for _, a, b in self.streams.fragments[k]) for k in self.in_flight]
             out["in_flight"] = sum(group_size * (STEP_PROOF_BYTES + codec.nbytes(n)) + 4 * n for n in numels)
         return out

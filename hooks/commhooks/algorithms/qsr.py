@@ -147,6 +147,11 @@ class QSRConfig(QuadraticRuleFields, PayloadFields):
                 or self.overlap_steps > 0 or self.fragments > 1 or self.outer_normalize != "none")
 
     @property
+    def streaming(self) -> bool:
+        """True when a round can end with the ranks' weights apart (overlapped or fragmented syncs)."""
+        return self.overlap_steps > 0 or self.fragments > 1
+
+    @property
     def warmup_h(self) -> int:
         """Period used while ``step < warmup_steps`` (``init_h``, default ``h_base``)."""
         return self.h_base if self.init_h is None else self.init_h
@@ -224,14 +229,13 @@ class QSRState(AlgorithmState):
         if self.hierarchical:
             self._require_contiguous("qsr.hierarchical needs", "a rank's part", "hierarchical false")
         self.cover = SyncCover(self._params, self._buffers, self._moments, mine, self.comm.rank, self.hierarchical)
-        streaming = c.overlap_steps > 0 or c.fragments > 1  # rounds that do not end with identical weights
         self.transport = OuterSteps(
             self, self.cover, lambda: OuterSync(c.outer_lr, c.outer_momentum, c.outer_nesterov, c.codec,
                                                 c.payload_block, c.error_feedback, keep_sent_from=c.overlap_steps > 0,
                                                 make_optimizer=self.outer_optimizer),
-            c.fragments, c.overlap_merge, c.overlap_alpha, streaming
+            c.fragments, c.overlap_merge, c.overlap_alpha, c.streaming
         ) if c.pseudo_gradient or self.outer_optimizer is not None else MeanSync(self, self.cover)
-        self.schedule = RoundSchedule(c, self.transport.fragments, streaming)
+        self.schedule = RoundSchedule(c)
         self._lr_sums = [0.0] * self.transport.fragments
         self._complete_at: Optional[int] = None  # last step after which every rank held the same weights
         self._check_streaming()

@@ -14,8 +14,9 @@ Registered with the algorithm (``register_algorithm(QSRConfig, QSRState, traffic
   (``sync-moments``) each with a proof; the anchor once at the first step (``anchor``, ``4 x`` the synced
   elements); hierarchical: each landed fragment shared in the group.
 
-The schedule (the rule's periods from ``setting.lr``, fragments' send points, overlapped syncs landing
-``overlap_steps`` later, the last round's blocking sync of every fragment) is simulated as the state runs it.
+The schedule (the rule's periods from ``setting.lr``; fragments' send points, overlapped syncs landing
+``overlap_steps`` later and the last round's blocking sync of every fragment, from the state's own
+:class:`~commhooks.algorithms.pipeline.RoundSchedule`) is simulated as the state runs it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from . import replicas
-from .streaming import send_points
+from .pipeline import RoundSchedule
 from .traffic import Send, Setting, Traffic, averaged, body_send, runs
 
 
@@ -51,7 +52,6 @@ def qsr_traffic(config, setting: Setting) -> Traffic:
 
     timeline: List[List[Send]] = [list(every_step) for _ in range(s.steps)]
     sync_steps: List[int] = []
-    total = c.total_steps
 
     def after_sync_extras() -> List[Send]:
         out = []
@@ -80,7 +80,7 @@ def qsr_traffic(config, setting: Setting) -> Traffic:
         frags = runs(part, c.fragments)
         codec = c.codec
         tags = ["sync"] if c.fragments == 1 else [f"sync-f{k}" for k in range(c.fragments)]
-        streaming = c.overlap_steps > 0 or c.fragments > 1
+        schedule = RoundSchedule(c)
         in_flight: Dict[int, int] = {}  # fragment -> step it lands at
 
         def land(k: int, t: int) -> None:
@@ -90,9 +90,7 @@ def qsr_traffic(config, setting: Setting) -> Traffic:
         def send(k: int, t: int, step: int, blocking: bool) -> None:
             if k in in_flight:
                 land(k, t)
-            apply_at = step if blocking else step + c.overlap_steps
-            if total is not None:
-                apply_at = min(apply_at, max(step, total))
+            apply_at = schedule.lands_at(step, blocking)
             timeline[t].append(body_send(codec, frags[k], s.proof_bytes, tags[k], scope))
             in_flight[k] = apply_at
             if apply_at <= step:
@@ -110,20 +108,19 @@ def qsr_traffic(config, setting: Setting) -> Traffic:
             since += 1
             for k in sorted(k for k, at in in_flight.items() if at <= step):
                 land(k, t)
-            last = total is not None and step >= total
             if since >= h:
-                blocking = last and streaming
+                blocking = schedule.ends_run(step)
                 if blocking:
                     for k in sorted(in_flight):
                         land(k, t)
-                due = range(c.fragments) if blocking else send_points(h, c.fragments).get(since, [])
+                due = range(c.fragments) if blocking else schedule.sends(h, h)
                 for k in due:
                     send(k, t, step, blocking)
                 timeline[t] += after_sync_extras()
                 sync_steps.append(step)
                 h, since = None, 0
             else:
-                for k in send_points(h, c.fragments).get(since, []):
+                for k in schedule.sends(since, h):
                     send(k, t, step, False)
     size_of = {"world": s.world, "group": len(mine), "across": len(groups)}
     kept = lambda calls: tuple(x for x in calls if size_of[x.scope] > 1)  # noqa: E731  (groups of one: no call)

@@ -26,6 +26,7 @@ import torch
 
 from . import alignment
 from .consistency import NonFiniteError, NonfiniteGuard, skip_gradients
+from .helpers import user_stacklevel
 
 
 class StepAlignment:
@@ -114,8 +115,6 @@ class StepAlignment:
         state = self.state
         if self.scaler is None:
             if state.reduces_gradients and not self._warned_scales:
-                from .helpers import user_stacklevel
-
                 self._warned_scales = True
                 warnings.warn(
                     f"{state.display_name}: the ranks' GradScaler scales differ (a rank overflowed during local "
