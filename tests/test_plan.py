@@ -93,7 +93,17 @@ def test_plan_config_for_any_algorithm_hierarchical_included(tmp_path):
     assert t.bytes(scope="across", tag="anchor") == 4 * (n // 4)  # rank 0's quarter crosses the nodes
     table = subprocess.run([sys.executable, "-m", "commhooks.cli", "plan", *argv], capture_output=True, text=True,
                            check=True).stdout
-    assert "| mine |" in table and "a sync: allgather" in table and "share-part" in table
+    # 4 nodes: the quarter crossing them is averaged by the two-step exchange (auto from 3 ranks)
+    assert "| mine |" in table and "a sync: alltoall" in table and "allgather" in table and "share-part" in table
+    # forced to allgather, the same config sends more between nodes and the planner predicts it slower
+    gathered = tmp_path / "mine-allgather.json"
+    gathered.write_text(json.dumps({**json.loads(conf.read_text()), "payload_exchange": "allgather"}))
+    both = subprocess.run([sys.executable, "-m", "commhooks.cli", "plan", "--model", "cnn", "--nodes", "4",
+                           "--ranks-per-node", "4", "--compute-ms", "5", "--inter-gbit", "0.01", "--config",
+                           f"{conf},{gathered}", "--json"], capture_output=True, text=True, check=True).stdout
+    rows = {r["method"]: r for r in json.loads(both)}
+    two, ag = rows["mine"], rows["mine-allgather"]
+    assert two["syncs"] == ag["syncs"] and two["step_ms"] < ag["step_ms"], (two, ag)
 
 
 def test_plan_config_of_an_algorithm_registered_outside_the_package(tmp_path):

@@ -351,7 +351,10 @@ def test_hierarchical_replica_sync_is_the_same_sync_with_half_the_traffic_across
             ("allreduce", 4 * half + STEP_PROOF_BYTES, "sync", "across"),
             ("broadcast", 4 * half, "share-part", "group")))
         assert by_tag == [traffic.at(step + 1) for step in range(9)]  # share-part: counted at its source
-    outer = {"outer_lr": 0.7, "outer_momentum": 0.9, "payload": "bf16", "overlap_steps": 1}
+    # (the flat sync's world of 4 would take the two-step exchange, which rounds the mean a second time: the
+    # allgather keeps both on one rounding, as the hierarchical sync's 2-rank groups are)
+    outer = {"outer_lr": 0.7, "outer_momentum": 0.9, "payload": "bf16", "overlap_steps": 1,
+             "payload_exchange": "allgather"}
     flat = run_ranks(_replica_groups, 4, timeout=180, steps=9, h_base=3, extra=outer)
     hier = run_ranks(_replica_groups, 4, timeout=180, steps=9, h_base=3, extra={**outer, "hierarchical": True})
     for rank, (a, b) in enumerate(zip(flat, hier)):

@@ -83,12 +83,13 @@ if hook.kind == "qsr":  # DiLoCo outer step with a compressed payload, through t
                                           "error_feedback": True, "overlap_steps": 1, "fragments": 2})
     variants["bf16"] = load_config({**to_dict(hook), "payload": "bf16"})
     variants["int2-stochastic"] = load_config({**to_dict(hook), "payload": "int2", "payload_block": 64,
-                                               "payload_rounding": "stochastic", "error_feedback": True})
+                                               "payload_rounding": "stochastic", "error_feedback": True,
+                                               "payload_exchange": "two_step"})  # (all-to-all + allgather)
 if hook.kind == "ab":
     variants["only-b"] = load_config({**to_dict(hook), "mode": "only-b"})
     variants["groups-stale"] = load_config({**to_dict(hook), "mode": "groups", "group_size": 1, "sync": "with-stale"})
     variants["ab-x-qsr"] = load_config({**to_dict(hook), "sync_rule": "qsr", "alpha": 0.1, "h_base": 3,
-                                        "payload": "int8"})
+                                        "payload": "int8", "payload_exchange": "two_step"})
 for name, conf in variants.items():
     result["runs"][name] = {"ddp": ddp_run(conf, 1), "ds": ds_run(conf, 1)}
 if hook.kind == "qsr":  # one launcher run proves the third, unknown algorithm too

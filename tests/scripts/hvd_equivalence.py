@@ -42,10 +42,12 @@ VARIANTS = {
     # sets across the groups; a broadcast inside a process set); plain averaging with 2 ranks (group of 1)
     "qsr-hierarchical": {"type": "qsr", "h_base": 3, "warmup_steps": 2, "init_h": 1, "group_size": args.group_size,
                          "hierarchical": True, "payload": "int8", "error_feedback": True, "overlap_steps": 1},
-    # sparse payload (top-k per chunk, int4 values, stochastic rounding) with the period-aware outer step
+    # sparse payload (top-k per chunk, int4 values, stochastic rounding) with the period-aware outer step, averaged
+    # by the two-step exchange (Horovod's alltoall, then its allgather) even on 2 ranks
     "qsr-topk-int4": {"type": "qsr", "h_base": 3, "warmup_steps": 2, "init_h": 1, "payload": "topk",
                       "topk_density": 0.1, "topk_chunk": 64, "topk_values": "int4", "payload_rounding": "stochastic",
-                      "error_feedback": True, "outer_lr": 0.7, "outer_momentum": 0.9, "outer_normalize": "lr_sum"},
+                      "error_feedback": True, "outer_lr": 0.7, "outer_momentum": 0.9, "outer_normalize": "lr_sum",
+                      "payload_exchange": "two_step"},
     "ab-only-b": {**AB, "mode": "only-b"},
     "ab-groups": {**AB, "mode": "groups", "group_size": args.group_size},
     "ab-groups-stale": {**AB, "mode": "groups", "group_size": args.group_size, "sync": "with-stale"},

@@ -32,7 +32,8 @@ still share one anchor (one parameter-sized payload, tag ``anchor``).
 
 Memory (fp32, each the size of the tensors synced; :meth:`OuterSync.memory`):
 the anchor; the outer momentum (``outer_momentum > 0``); the error-feedback
-residual (``error_feedback``); the weights a sync was sent from, kept until it
+residual (``error_feedback``; with the two-step exchange also the owner's,
+1/size of it); the weights a sync was sent from, kept until it
 lands (the progress merge needs them); the send buffer (the pseudo-gradient,
 with the step proof in front for fp32); the averaged result until it lands.
 The buffers are allocated once and reused at every sync.  For a bf16 model
@@ -56,6 +57,7 @@ import torch
 from ..comm import Comm, Work
 from ..comm.base import flatten, unflatten_into
 from . import payload
+from .exchange import OwnerFeedback
 
 
 class OuterSync:
@@ -70,6 +72,7 @@ class OuterSync:
         self.anchor: Optional[torch.Tensor] = None
         self.buffer: Optional[torch.Tensor] = None  # outer momentum
         self.residual: Optional[torch.Tensor] = None  # error feedback
+        self.owner_feedback = OwnerFeedback()  # error feedback of the two-step exchange's second encoding
         self._scratch: Dict[str, torch.Tensor] = {}  # sync buffers, reused at every sync
         self.make_optimizer = make_optimizer  # params -> a torch.optim optimizer taking the outer step (None: built-in)
         self.optimizer: Optional[torch.optim.Optimizer] = None  # over [self.anchor], built at its first step
@@ -98,7 +101,8 @@ class OuterSync:
 
     def memory(self) -> Dict[str, int]:
         """Bytes this outer state keeps, by kind: anchor, momentum, residual, and the reused sync buffers."""
-        held = {"anchor": self.anchor, "outer_momentum": self.buffer, "residual": self.residual}
+        held = {"anchor": self.anchor, "outer_momentum": self.buffer, "residual": self.residual,
+                "owner_residual": self.owner_feedback.value}
         out = {k: v.numel() * v.element_size() for k, v in held.items() if v is not None}
         if self.optimizer is not None:
             kept = sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
@@ -147,12 +151,15 @@ class OuterSync:
             delta += self.residual
         sent = None
         if self.codec.name != "fp32":
-            sent = self.codec.encode(delta, seed)  # (the seed: stochastic rounding's)
+            size = comm.size if group is None else group.size
+            way = self.codec.exchange_for(size) or self.codec  # the two-step exchange encodes piece by piece
+            sent = way.encode(delta, seed)  # (the seed: stochastic rounding's)
             if self.error_feedback:
-                lost = self.codec.decode(sent, n)
+                lost = way.decode(sent, n)
                 self.residual = torch.sub(delta, lost, out=self._residual_buffer(n, device))
+        feedback = self.owner_feedback if self.error_feedback else None
         return payload.start_mean(comm, delta, self.codec, self.codec.block, proof, group=group, tag=tag, sent=sent,
-                                  packed=packed), local
+                                  packed=packed, seed=seed, feedback=feedback), local
 
     def _residual_buffer(self, numel: int, device) -> torch.Tensor:
         if self.residual is None or self.residual.numel() != numel or self.residual.device != device:
@@ -229,11 +236,16 @@ class OuterSync:
             value = getattr(self, key)
             if value is not None and value.device != device:
                 setattr(self, key, value.to(device))
+        owned = self.owner_feedback.value
+        if owned is not None and owned.device != device:
+            self.owner_feedback.value = owned.to(device)
 
     def state_dict(self) -> dict:
         """Copies: the live tensors change in place at the next sync."""
         state = {k: None if v is None else v.clone() for k, v in
                  (("anchor", self.anchor), ("buffer", self.buffer), ("residual", self.residual))}
+        if self.owner_feedback.value is not None:  # (absent from checkpoints without a two-step exchange)
+            state["owner_residual"] = self.owner_feedback.value.clone()
         optimizer = self.optimizer.state_dict() if self.optimizer is not None else self._optimizer_state
         if optimizer is not None:
             state["optimizer"] = copy.deepcopy(optimizer)
@@ -242,6 +254,8 @@ class OuterSync:
     def load_state_dict(self, state: dict) -> None:
         self.anchor, self.buffer, self.residual = (None if state[k] is None else state[k].clone()
                                                    for k in ("anchor", "buffer", "residual"))
+        owned = state.get("owner_residual")
+        self.owner_feedback = OwnerFeedback(None if owned is None else owned.clone())
         if state.get("optimizer") is not None and self.make_optimizer is None:
             raise ValueError("the checkpoint's outer step used an outer_optimizer; pass the same outer_optimizer")
         if state.get("buffer") is not None and self.make_optimizer is not None:

@@ -30,12 +30,13 @@ Codecs (``payload`` key; a :class:`Codec` carries the settings):
   ``error_feedback``, which carries it into the next sync.
 
 A sum of integer codes would overflow, and Horovod's allreduce refuses bf16 and
-8-bit tensors, so compressed payloads travel by **allgather** of packed bytes
-(step proof, payload): every rank decodes the others' contributions and
-accumulates them in fp32, in rank order, so every rank gets the identical
-mean.  Each rank receives ``size - 1`` payloads: for the small world of
-replica groups (a few nodes) that is what a ring allreduce moves too; for
-large worlds prefer a hierarchy (``hierarchical``).
+8-bit tensors, so compressed payloads are averaged by the ranks themselves:
+by **allgather** of packed bytes (step proof, payload), every rank decoding
+the others' contributions and accumulating them in fp32, in rank order, so
+every rank gets the identical mean (each rank receives ``size - 1``
+payloads); or, from 3 ranks, by a **two-step exchange** whose bytes per rank
+stay under two payloads whatever the world (``payload_exchange``,
+:mod:`.exchange`).
 
 Error feedback (``error_feedback``): what the codec lost this sync is added
 to the next sync's pseudo-gradient, so rounding errors do not accumulate
@@ -55,6 +56,7 @@ from typing_extensions import Annotated, Literal
 
 from ..comm import Comm, Work
 from ..config import HookConfig
+from .exchange import OwnerFeedback, TwoStep, resolve
 
 CODECS = ("fp32", "bf16", "int8", "int4", "int2", "topk")
 DENSE_BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -72,6 +74,7 @@ class Codec:
     density: float = 0.01  # topk: the share of each chunk sent
     chunk: int = 4096  # topk: elements per chunk (<= 65536: indices are 2 bytes)
     values: str = "fp32"  # topk: how the chosen values travel
+    exchange: str = "auto"  # how a compressed mean travels: "auto", "allgather", "two_step" (:mod:`.exchange`)
 
     @classmethod
     def of(cls, codec, block: int = 256) -> "Codec":
@@ -96,6 +99,13 @@ class Codec:
 
     def _values_codec(self) -> "Codec":
         return Codec(self.values, block=min(self.k, self.chunk), rounding=self.rounding)
+
+    def exchange_for(self, size: int) -> Optional[TwoStep]:
+        """The two-step exchange for a group of ``size`` ranks, or None where the payload goes by one collective
+        (fp32's allreduce, or the allgather)."""
+        if self.name == "fp32" or resolve(self.exchange, size) != "two_step":
+            return None
+        return TwoStep(self, size)
 
     def encode(self, x: torch.Tensor, seed: Optional[int] = None) -> torch.Tensor:
         """``x`` (flat fp32) as bytes (uint8).  ``seed``: the stochastic rounding's (the rank and the step)."""
@@ -129,7 +139,7 @@ class Codec:
         chunks, k = math.ceil(numel / self.chunk), min(self.k, self.chunk)
         head = 2 * chunks * k
         idx = data[:head].view(torch.int16).to(torch.int64).reshape(chunks, k) & 0xFFFF  # chunk <= 65536
-        values = self._values_codec().decode(data[head:], chunks * k).reshape(chunks, k)
+        values = self._values_codec().decode(data[head:].clone(), chunks * k).reshape(chunks, k)  # (aligned)
         out = torch.zeros(chunks, self.chunk, dtype=torch.float32, device=data.device)
         out.scatter_(1, idx, values)
         return out.reshape(-1)[:numel]
@@ -210,15 +220,18 @@ def round_trip(x: torch.Tensor, codec, block: int = 256, seed: Optional[int] = N
 
 
 def start_mean(comm: Comm, x: torch.Tensor, codec, block: int, proof: torch.Tensor, group=None,
-               tag: str = "sync", sent: Optional[torch.Tensor] = None, packed: Optional[torch.Tensor] = None) -> Work:
-    """Start averaging ``x`` (flat fp32) and ``proof`` (float32) over ``group`` in one collective; the
-    returned :class:`Work`'s ``wait()`` gives ``(mean, mean_proof)``.
+               tag: str = "sync", sent: Optional[torch.Tensor] = None, packed: Optional[torch.Tensor] = None,
+               seed: Optional[int] = None, feedback: Optional[OwnerFeedback] = None) -> Work:
+    """Start averaging ``x`` (flat fp32) and ``proof`` (float32) over ``group``; the returned :class:`Work`'s
+    ``wait()`` gives ``(mean, mean_proof)``.
 
-    ``fp32``: one allreduce.  Other codecs: one allgather of the packed bytes; every rank decodes
-    and sums in rank order (identical results everywhere).  ``sent``: this rank's encoded bytes when the
-    caller already made them (error feedback needs them too).  ``packed`` (fp32): a buffer the caller
-    reuses across syncs, holding ``proof`` then ``x`` already (``x`` a view of it), reduced in place; without
-    it the collective works on its own copy, and ``x`` may change after the call.
+    ``fp32``: one allreduce.  Other codecs: one allgather of the packed bytes, every rank decoding and summing
+    in rank order (identical results everywhere), or the two-step exchange (:mod:`.exchange`, the codec's
+    ``exchange`` for this group's size).  ``sent``: this rank's encoded bytes when the caller already made them
+    (error feedback needs them too; for the two-step exchange, its pieces).  ``seed``: stochastic rounding's;
+    ``feedback``: the two-step owner's error feedback.  ``packed`` (fp32): a buffer the caller reuses across
+    syncs, holding ``proof`` then ``x`` already (``x`` a view of it), reduced in place; without it the
+    collective works on its own copy, and ``x`` may change after the call.
     """
     codec = Codec.of(codec, block)
     size = comm.size if group is None else group.size
@@ -226,7 +239,10 @@ def start_mean(comm: Comm, x: torch.Tensor, codec, block: int, proof: torch.Tens
         both = packed if packed is not None else torch.cat([proof.to(x.device), x])
         work = comm.allreduce([both], op="mean", group=group, tag=tag, async_op=True)
         return work.then(lambda out: (out[0][proof.numel():], out[0][: proof.numel()]))
-    body = sent if sent is not None else codec.encode(x)
+    two_step = codec.exchange_for(size)
+    if two_step is not None:
+        return two_step.start(comm, x, proof, group, tag, sent=sent, seed=seed, feedback=feedback)
+    body = sent if sent is not None else codec.encode(x, seed)
     packed_bytes = torch.cat([proof.to(x.device).contiguous().view(torch.uint8), body])
     work = comm.allgather(packed_bytes, group=group, tag=tag, async_op=True)
     numel, device, head = x.numel(), x.device, 4 * proof.numel()
@@ -248,8 +264,8 @@ class PayloadFields(HookConfig):
     payload: Literal["fp32", "bf16", "int8", "int4", "int2", "topk"] = Field("fp32", description=(
         "how the sync sends the pseudo-gradient: fp32 (exact), bf16 (2 bytes/element), int8 / int4 / int2 (8, 4, 2 "
         "bits per element, packed, + one fp32 scale per payload_block elements; int2 is ternary), topk (the "
-        "largest topk_density of each topk_chunk, as 2-byte indices + values); anything but fp32 travels by "
-        "allgather"))
+        "largest topk_density of each topk_chunk, as 2-byte indices + values); anything but fp32 is averaged by "
+        "the ranks themselves (payload_exchange)"))
     payload_block: Annotated[int, Field(ge=8, description=(
         "int8/int4/int2: elements per scale (error per element <= absmax of its block / (2q), q = 127, 7, 1)"))] = 256
     payload_rounding: Literal["nearest", "stochastic"] = Field("nearest", description=(
@@ -262,8 +278,14 @@ class PayloadFields(HookConfig):
     topk_values: Literal["fp32", "bf16", "int8", "int4", "int2"] = Field("fp32", description=(
         "topk: how the chosen values travel (int codecs: one scale per chunk)"))
 
+    payload_exchange: Literal["auto", "allgather", "two_step"] = Field("auto", description=(
+        "how a compressed payload is averaged: allgather (each rank receives every rank's payload: (s-1) x payload "
+        "bytes for s ranks), two_step (an all-to-all of pieces, each rank averaging one, then an allgather of the "
+        "re-encoded means: under 2 x payload whatever the world, a second rounding, carried by error_feedback), "
+        "auto (two_step from 3 ranks in the averaging group)"))
+
     @property
     def codec(self) -> "Codec":
         """The payload's :class:`Codec`."""
         return Codec(self.payload, self.payload_block, self.payload_rounding, self.topk_density, self.topk_chunk,
-                     self.topk_values)
+                     self.topk_values, self.payload_exchange)

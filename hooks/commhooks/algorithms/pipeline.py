@@ -372,7 +372,10 @@ class OuterSteps:
         codec = self.streams.outers[0].codec
         if codec.name != "fp32" and self.in_flight:
             numels = [sum(b - a for _, a, b in self.streams.fragments[k]) for k in self.in_flight]
-            out["in_flight"] = sum(group_size * (STEP_PROOF_BYTES + codec.nbytes(n)) + 4 * n for n in numels)
+            two_step = codec.exchange_for(group_size)
+            held = (lambda n: two_step.received_bytes(n, STEP_PROOF_BYTES)) if two_step is not None else (
+                lambda n: group_size * (STEP_PROOF_BYTES + codec.nbytes(n)))
+            out["in_flight"] = sum(held(n) + 4 * n for n in numels)
         return out
 
     def state_dict(self) -> dict:

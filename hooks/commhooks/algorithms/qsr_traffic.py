@@ -10,7 +10,8 @@ Registered with the algorithm (``register_algorithm(QSRConfig, QSRState, traffic
   group afterwards (``share-part``, a broadcast of ``4 x part``);
 * a sync, outer step (``outer_lr``, ``outer_momentum``, ``payload``, ``overlap_steps``, ``fragments``): each
   fragment's pseudo-gradient with its own step proof, fp32 by allreduce, any other codec by allgather of
-  ``proof + codec.nbytes(fragment)`` (``sync``, ``sync-f<k>``); buffers (``sync-buffers``) and moments
+  ``proof + codec.nbytes(fragment)`` or by the two-step exchange (an all-to-all when sent, an allgather when it
+  lands: :func:`~commhooks.algorithms.traffic.body_sends`) (``sync``, ``sync-f<k>``); buffers (``sync-buffers``) and moments
   (``sync-moments``) each with a proof; the anchor once at the first step (``anchor``, ``4 x`` the synced
   elements); hierarchical: each landed fragment shared in the group.
 
@@ -25,7 +26,7 @@ from typing import Dict, List
 
 from . import replicas
 from .pipeline import RoundSchedule
-from .traffic import Send, Setting, Traffic, averaged, body_send, runs
+from .traffic import Send, Setting, Traffic, averaged, body_sends, runs
 
 
 def qsr_traffic(config, setting: Setting) -> Traffic:
@@ -82,21 +83,23 @@ def qsr_traffic(config, setting: Setting) -> Traffic:
         tags = ["sync"] if c.fragments == 1 else [f"sync-f{k}" for k in range(c.fragments)]
         schedule = RoundSchedule(c)
         in_flight: Dict[int, int] = {}  # fragment -> step it lands at
+        exchange_size = len(groups) if sharded else s.world
+        body = [body_sends(codec, f, s.proof_bytes, tag, scope, exchange_size) for f, tag in zip(frags, tags)]
 
         def land(k: int, t: int) -> None:
             in_flight.pop(k)
-            timeline[t] += share(frags[k])
+            timeline[t] += body[k][1] + share(frags[k])
 
         def send(k: int, t: int, step: int, blocking: bool) -> None:
             if k in in_flight:
                 land(k, t)
             apply_at = schedule.lands_at(step, blocking)
-            timeline[t].append(body_send(codec, frags[k], s.proof_bytes, tags[k], scope))
+            timeline[t] += body[k][0]
             in_flight[k] = apply_at
             if apply_at <= step:
                 land(k, t)
 
-        sync = [body_send(codec, f, s.proof_bytes, tag, scope) for f, tag in zip(frags, tags)]
+        sync = [x for sent, landed in body for x in sent + landed]
         sync += [x for f in frags for x in share(f)] + after_sync_extras()
         h, since = None, 0
         for t in range(s.steps):

@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from .alignment import STEP_PROOF_BYTES
 
 Shapes = Sequence[Tuple[str, Tuple[int, ...]]]
-KINDS = ("allreduce", "allgather", "broadcast")
+KINDS = ("allreduce", "allgather", "alltoall", "broadcast")
 SCOPES = ("world", "group", "across")
 
 
@@ -151,12 +151,19 @@ class Traffic:
         return len(self.sync_steps)
 
 
-def body_send(codec, numel: int, proof_bytes: int, tag: str, scope: str) -> Send:
+def body_sends(codec, numel: int, proof_bytes: int, tag: str, scope: str, size: int) -> Tuple[List[Send], List[Send]]:
     """A sync payload of ``numel`` elements in ``codec`` (:class:`~commhooks.algorithms.payload.Codec`) with the
-    step proof: fp32 one allreduce, anything else one allgather of the packed bytes."""
+    step proof, averaged over ``size`` ranks: ``(the calls when it is sent, the calls when it lands)``.  fp32:
+    one allreduce; otherwise one allgather of the packed bytes, or the two-step exchange
+    (:mod:`~commhooks.algorithms.exchange`): an all-to-all of the pieces when sent, an allgather of the
+    owners' encoded means when it lands."""
     if codec.name == "fp32":
-        return Send("allreduce", proof_bytes + 4 * numel, tag, scope)
-    return Send("allgather", proof_bytes + codec.nbytes(numel), tag, scope)
+        return [Send("allreduce", proof_bytes + 4 * numel, tag, scope)], []
+    two_step = codec.exchange_for(size)
+    if two_step is None:
+        return [Send("allgather", proof_bytes + codec.nbytes(numel), tag, scope)], []
+    first, second = two_step.nbytes(numel, proof_bytes)
+    return [Send("alltoall", first, tag, scope)], [Send("allgather", second, tag, scope)]
 
 
 def averaged(numel: int, setting: Setting, tag: str, scope: str) -> List[Send]:

@@ -5,7 +5,7 @@ they call a :class:`Comm`.  That keeps them backend-agnostic (the same code
 runs under DDP, Horovod and DeepSpeed) and lets one place count the traffic.
 
 A backend implements a few primitives on a single contiguous tensor
-(``_allreduce_flat``, ``_broadcast_flat``, ``_allgather_flat``,
+(``_allreduce_flat``, ``_broadcast_flat``, ``_allgather_flat``, ``_alltoall_flat``,
 ``_make_group``); this base class coalesces lists of tensors into one flat
 buffer (one call on the wire, as DDP's buckets do), takes the mean the way
 DDP does, and records every call in the :class:`Meter`.
@@ -222,6 +222,11 @@ class Comm:
         gives them concatenated in group-rank order."""
         raise NotImplementedError
 
+    def _alltoall_flat(self, flat: torch.Tensor, group: Group) -> Callable[[], torch.Tensor]:
+        """Start an all-to-all of equal pieces: ``flat`` is ``group.size`` pieces, piece ``j`` for member ``j``;
+        return a function that waits and gives the pieces received, concatenated in group-rank order."""
+        raise NotImplementedError
+
     def _make_group(self, ranks: Tuple[int, ...]) -> Any:
         raise NotImplementedError
 
@@ -378,6 +383,39 @@ class Comm:
         def wait() -> List[torch.Tensor]:
             try:
                 return [chunk.view_as(tensor) for chunk in gathered().chunk(group.size)]
+            except Exception as exc:
+                raise CollectiveError(f"{what()} failed: {exc}") from exc
+
+        work = Work(wait)
+        return work if async_op else work.wait()
+
+    def alltoall(self, tensor: torch.Tensor, group: Optional[Group] = None, tag: str = "",
+                 metered: bool = True, async_op: bool = False):
+        """Member ``j`` gets piece ``j`` of every member's ``tensor`` (flat, ``group.size`` equal pieces, the same
+        size everywhere): the list of pieces received, in group-rank order.
+
+        The first half of a compressed mean that scales with the world (:mod:`commhooks.algorithms.exchange`).
+        The meter counts the whole ``tensor`` (this rank's own piece included), as torch's payload counter
+        counts ``all_to_all_single``.  ``async_op``: a :class:`Work` whose ``wait()`` returns the list.
+        """
+        group = group or self.world
+        flat = tensor.reshape(-1).contiguous()
+        if flat.numel() % group.size:
+            raise ValueError(f"alltoall '{tag}': {flat.numel()} elements do not split into {group.size} equal pieces")
+        if group.size == 1:
+            return Work(lambda: [flat]) if async_op else [flat]
+        nbytes = flat.numel() * flat.element_size()
+        what = lambda: self._describe("alltoall", group, tag, nbytes)  # noqa: E731
+        if metered:
+            self.meter.record(group.name, "alltoall", nbytes, tag)
+        try:
+            exchanged = self._alltoall_flat(flat, group)
+        except Exception as exc:
+            raise CollectiveError(f"{what()} failed: {exc}") from exc
+
+        def wait() -> List[torch.Tensor]:
+            try:
+                return list(exchanged().chunk(group.size))
             except Exception as exc:
                 raise CollectiveError(f"{what()} failed: {exc}") from exc
 

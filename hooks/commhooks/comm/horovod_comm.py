@@ -107,6 +107,23 @@ class HorovodComm(Comm):
 
         return wait
 
+    def _alltoall_flat(self, flat: torch.Tensor, group: Group):
+        key, i, name = self._claim(group, "alltoall", flat)
+        try:  # equal splits (splits=None): piece j of the first dimension to member j
+            handle = self.hvd.alltoall_async(flat, name=name, process_set=group.handle)
+        except Exception:
+            self._inflight[key].discard(i)
+            raise
+
+        def wait():
+            try:
+                out = self.hvd.synchronize(handle)
+            finally:
+                self._inflight[key].discard(i)
+            return out[0] if isinstance(out, (tuple, list)) else out  # (output, received splits) in newer Horovods
+
+        return wait
+
     def _make_group(self, ranks: Tuple[int, ...]) -> Any:
         if len(ranks) == 1:
             return None  # one-rank groups never communicate

@@ -148,6 +148,11 @@ class TorchComm(Comm):
         work = gather(out, flat, group=group.handle, async_op=True)
         return lambda: (self._wait(work, group, flat.device), out)[1]
 
+    def _alltoall_flat(self, flat: torch.Tensor, group: Group):
+        out = torch.empty_like(flat)
+        work = dist.all_to_all_single(out, flat, group=group.handle, async_op=True)  # gloo (CPU) and NCCL both
+        return lambda: (self._wait(work, group, flat.device), out)[1]
+
     def notify_join(self, joinable) -> None:
         """``Join.notify_join_context``: an allreduce only if ``joinable`` is the first in the Join context."""
         from torch.distributed.algorithms.join import Join

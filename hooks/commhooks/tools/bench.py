@@ -63,6 +63,12 @@ METHODS: Dict[str, List[str]] = {
     "qsr-diloco-topk": ["--config", "configs/qsr_diloco_topk_mnist1d.json"],
     "qsr-diloco-int8-lrsum": ["--config", "configs/qsr_diloco_int8_lrsum_mnist1d.json"],
     "qsr-diloco-int4-lrsum": ["--config", "configs/qsr_diloco_int4_lrsum_mnist1d.json"],
+    # int4 averaged by one allgather whatever the world (the default, auto, takes the two-step exchange from 3 ranks)
+    "qsr-diloco-int4-allgather": ["--config", "configs/qsr_diloco_int4_allgather_mnist1d.json"],
+    # int2 to nearest with one scale per 256 elements; and with QSR's alpha doubled (periods 4x as long), in fp32 too
+    "qsr-diloco-int2-b256": ["--config", "configs/qsr_diloco_int2_b256_mnist1d.json"],
+    "qsr-diloco-int2-a02": ["--config", "configs/qsr_diloco_int2_a02_mnist1d.json"],
+    "qsr-diloco-a02": ["--config", "configs/qsr_diloco_a02_mnist1d.json"],
     # the same, each sync landing 2 local steps after it is sent (Streaming DiLoCo's overlap)
     "qsr-diloco-int8-overlap": ["--config", "configs/qsr_diloco_int8_overlap_mnist1d.json"],
     # the same without the outer step: plain averaging of int8 changes, landing 2 steps after they are sent

@@ -13,6 +13,9 @@ method.  Time from a latency-bandwidth model of the collectives:
   (on one node: the same over ``intra``);
 * allgather of ``B`` bytes per rank (compressed payloads):
   ``(g-1) B / intra + (n-1) g B / inter + calls * latency``;
+* all-to-all of ``B`` bytes per rank (``B / p`` to each rank: the two-step compressed mean's first half):
+  each node's link carries the pieces its ``g`` ranks send to other nodes, ``(n-1)/n g B / inter``,
+  and ``(g-1)/p B / intra`` inside it;
 * collectives inside a node (a replica group's gradient mean, a hierarchical
   sync's parts shared) run over ``intra``; a hierarchical sync's ``1/g`` part
   crosses the nodes as ``g`` rings of ``n`` ranks side by side
@@ -211,6 +214,9 @@ class Load:
     allgather: float = 0.0
     allgather_across: float = 0.0
     allgather_intra: float = 0.0
+    alltoall: float = 0.0
+    alltoall_across: float = 0.0
+    alltoall_intra: float = 0.0
     broadcast_across: float = 0.0
     broadcast: float = 0.0
     broadcast_intra: float = 0.0
@@ -233,13 +239,14 @@ class Load:
 
     def between_nodes(self, layout: "Layout") -> float:
         """Of :attr:`payload`, what this rank hands to collectives that span nodes."""
-        world = self.allreduce + self.allgather + self.broadcast if layout.nodes > 1 else 0.0
-        return world + self.allreduce_across + self.allgather_across + self.broadcast_across
+        world = self.allreduce + self.allgather + self.alltoall + self.broadcast if layout.nodes > 1 else 0.0
+        return world + self.allreduce_across + self.allgather_across + self.alltoall_across + self.broadcast_across
 
     @property
     def payload(self) -> float:
         return (self.allreduce + self.allreduce_across + self.allreduce_intra + self.allgather + self.allgather_across
-                + self.allgather_intra + self.broadcast + self.broadcast_across + self.broadcast_intra)
+                + self.allgather_intra + self.alltoall + self.alltoall_across + self.alltoall_intra + self.broadcast
+                + self.broadcast_across + self.broadcast_intra)
 
 
 # ----------------------------------------------------------------------------- time
@@ -270,11 +277,13 @@ def comm_ms(t: Load, layout: Layout) -> float:
         seconds += 2 * (p - 1) / p * t.allreduce / inter + t.broadcast / inter
         seconds += 2 * (n - 1) / n * g * t.allreduce_across / inter  # g rings of n ranks side by side
         seconds += (n - 1) * g * (t.allgather + t.allgather_across) / inter + g * t.broadcast_across / inter
+        seconds += (n - 1) / n * g * (t.alltoall + t.alltoall_across) / inter  # the pieces for other nodes
     elif g > 1:
         seconds += 2 * (g - 1) / g * t.allreduce / intra + t.broadcast / intra
-    seconds += (g - 1) * t.allgather / intra
+    seconds += (g - 1) * t.allgather / intra + (g - 1) / p * t.alltoall / intra
     if g > 1:  # inside the node
         seconds += 2 * (g - 1) / g * t.allreduce_intra / intra + (g - 1) * t.allgather_intra / intra
+        seconds += (g - 1) / g * t.alltoall_intra / intra
         seconds += g * t.broadcast_intra / intra  # each rank of the node broadcasts its share in turn
     steps = t.calls * 2 * (p - 1) + t.calls_across * 2 * (n - 1) + t.calls_intra * 2 * (g - 1)  # a ring's steps
     return 1000 * (seconds + steps * layout.latency_us * 1e-6)

@@ -16,7 +16,8 @@ parameter elements, a layer seen tall (``m >= n``):
   on the data);
 * a sync: ``full`` the weights ``4 N``, ``with-stale`` the factors ``4 (m + n) k`` per compressed layer and the
   dense tensors, with the step proof and buffers (``sync``); a ``payload`` other than fp32 sends the change
-  since the phase began by allgather (``proof + codec.nbytes``) and the buffers apart (``sync-buffers``).
+  since the phase began by allgather (``proof + codec.nbytes``) or the two-step exchange
+  (:func:`~commhooks.algorithms.traffic.body_sends`), and the buffers apart (``sync-buffers``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import fnmatch
 import math
 from typing import Dict, List, Optional
 
-from ..traffic import Send, Setting, Traffic, averaged, body_send
+from ..traffic import Send, Setting, Traffic, averaged, body_sends
 
 
 def _tall(shape) -> tuple:
@@ -77,7 +78,8 @@ def ab_traffic(config, setting: Setting) -> Traffic:
     def sync_sends(ranks, phase_began: bool) -> List[Send]:
         numel = synced_numel(ranks)
         if c.payload != "fp32" and phase_began:
-            out = [body_send(c.codec, numel, s.proof_bytes, "sync", "world")]
+            sent, landed = body_sends(c.codec, numel, s.proof_bytes, "sync", "world", s.world)
+            out = sent + landed
             return out + (averaged(s.buffers, s, "sync-buffers", "world") if s.buffers else [])
         return averaged(numel + s.buffers, s, "sync", "world")
 
