@@ -77,7 +77,8 @@ def test_the_check_catches_a_bare_factory_and_counts_host_reads():
 
 
 # --------------------------------------------------------------------------
-# run time, 2 gloo ranks: QSR, QSR outer + int8 + overlap + fragments, AB, AB x QSR, GradScaler, checkpoints
+# run time, 2 gloo ranks: QSR, QSR outer + int8 + overlap + fragments, int4 by the two-step exchange, AB, AB x QSR,
+# GradScaler, checkpoints
 # --------------------------------------------------------------------------
 
 CASES = {
@@ -85,6 +86,8 @@ CASES = {
     "qsr-outer-int8-overlap-fragments": {"type": "qsr", "h_base": 6, "outer_lr": 0.7, "outer_momentum": 0.9,
                                          "payload": "int8", "error_feedback": True, "overlap_steps": 1,
                                          "fragments": 2, "total_steps": 12},
+    "qsr-outer-int4-two-step": {"type": "qsr", "h_base": 3, "outer_lr": 0.7, "outer_momentum": 0.9, "payload": "int4",
+                                "error_feedback": True, "payload_exchange": "two_step", "total_steps": 12},
     "ab": {"type": "ab", "warmup_steps": 2, "sync_period": 5, "full_rank_steps": 1, "group_size": 1,
            "min_compression_rate": 1.01, "rank_cutoff": 0.8},
     "ab-x-qsr-int8": {"type": "ab", "warmup_steps": 2, "sync_rule": "qsr", "h_base": 3, "sync_period": 4, "full_rank_steps": 1,
@@ -143,8 +146,8 @@ def _gpu_rules(rank, world, checkpoint_dir):
             state = commhooks.ddp.register(net, opt, conf)
             mode.take()
             steps = _train(net, opt, state, 12, 0, rank, mode)
-            out[name] = {"steps": [(r, s) for r, s, _ in steps],
-                         "quiet_reads": {k: v for r, s, w in steps if not s and r for k, v in w.items()}}
+            out[name] = {"steps": [(r, s) for r, s, _ in steps], "first": steps[0][2],  # (the first: set-up)
+                         "quiet_reads": {k: v for r, s, w in steps[1:] if not s and r for k, v in w.items()}}
         # a GradScaler run: the one host read per step is the one torch's own scaler makes (found_inf)
         net = DDP(_model(), forward_sync_buffers=False)
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -152,8 +155,8 @@ def _gpu_rules(rank, world, checkpoint_dir):
         state = commhooks.ddp.register(net, opt, CASES["qsr"], scaler=scaler)
         mode.take()
         steps = _train(net, opt, state, 6, 0, rank, mode, scaler=scaler)
-        out["qsr-gradscaler"] = {"steps": [(r, s) for r, s, _ in steps],
-                                 "quiet_reads": {k: v for r, s, w in steps if not s and r for k, v in w.items()}}
+        out["qsr-gradscaler"] = {"steps": [(r, s) for r, s, _ in steps], "first": steps[0][2],
+                                 "quiet_reads": {k: v for r, s, w in steps[1:] if not s and r for k, v in w.items()}}
         # checkpoint mid-overlap (a fragment in flight), load into a fresh model and state, go on
         conf = CASES["qsr-outer-int8-overlap-fragments"]
         net = DDP(_model(), forward_sync_buffers=False)
@@ -182,6 +185,9 @@ def test_gpu_rules_on_cpu_no_default_device_and_quiet_steps(capsys):
             syncs = sum(s for _, s in r["steps"])
             assert syncs >= 2, (case, r["steps"])  # the case really synced (its host reads were counted)
             assert not r["quiet_reads"] or case == "qsr-gradscaler", (case, r["quiet_reads"])
+            # the first step, once: an outer step's anchor asks whether the ranks start equal (one host read)
+            anchor_check = {k: v for k, v in r["first"].items() if "consistency.py" in k}
+            assert sum(anchor_check.values()) == (1 if "outer" in case else 0), (case, r["first"])
             if case == "qsr-gradscaler":  # found_inf, as torch's own GradScaler.step reads it
                 assert all(n == 1 for n in r["quiet_reads"].values()) and all(
                     reads == 1 for reads, synced in r["steps"] if not synced), r

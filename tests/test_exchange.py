@@ -1,6 +1,7 @@
 """The two-step compressed mean (all-to-all of pieces, each rank averaging one, allgather of the encoded means)
 on 4 real gloo ranks: against the allgather mean and a written-out reference, exact meter bytes, ``auto`` by the
 group's size, and through DDP with error feedback: identical ranks, an exact resume, the declaration's bytes.
+And the outer step's anchor: a mean only when the ranks start from different weights.
 """
 
 import math
@@ -69,7 +70,21 @@ def _worker(rank, world):
                   "owner_residual": None if owner is None else float(owner.abs().max()),
                   "resume_exact": all(torch.equal(a, b) for a, b in zip(net.module.parameters(),
                                                                       resumed.module.parameters()))}
+    out["anchor"] = {same: _anchor(rank, same) for same in (True, False)}
     return out
+
+
+def _anchor(rank, same):
+    """The outer step's anchor after the first step of a hand-built state (no DDP broadcast): ranks that start
+    from the same weights keep their own, ranks that do not take their mean."""
+    torch.manual_seed(0 if same else rank)
+    net = torch.nn.Linear(6, 3)
+    start = torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    state = commhooks.QSRState(opt, model=net, h_base=2, outer_lr=0.7, outer_momentum=0.9, total_steps=4)
+    net(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    return start, state.transport.streams.outers[0].anchor.clone(), state.meter.by_tag().get("anchor", 0)
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +197,16 @@ def test_topk_decodes_an_odd_number_of_indices():  # the values start at a byte 
     x = torch.randn(64)
     out = codec.decode(codec.encode(x), 64)
     assert out.nonzero().numel() == 1 and math.isclose(float(out.abs().max()), float(x.abs().max()))
+
+
+def test_the_anchor_is_a_mean_only_when_the_ranks_start_apart(ranks):
+    n = 6 * 3 + 3
+    for out in ranks:  # the same start (as DDP makes it): each rank's own weights, nothing sent
+        start, anchor, sent = out["anchor"][True]
+        assert torch.equal(anchor, start) and sent == 0
+    mean = sum(out["anchor"][False][0] for out in ranks) / 4
+    for out in ranks:  # different starts: one anchor, their mean, one model-sized allreduce
+        start, anchor, sent = out["anchor"][False]
+        assert torch.allclose(anchor, mean, atol=1e-6) and torch.equal(anchor, ranks[0]["anchor"][False][1])
+        assert sent == 4 * n
+    assert not torch.equal(ranks[0]["anchor"][False][0], ranks[1]["anchor"][False][0])  # they did start apart

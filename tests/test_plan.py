@@ -34,7 +34,8 @@ def test_declared_bytes_equal_what_was_measured(path, proof):
     for name, m in data["methods"].items():
         if name.startswith(("qsr", "diloco")) and path.parent.name.endswith("12-02"):
             continue  # recorded before the step proof joined the payload (36 bytes per sync)
-        declared = [plan.declared(bench.method_source(name, setup["model"]), shapes, schedule, layout, proof, rank=r)
+        declared = [plan.declared(bench.method_source(name, setup["model"]), shapes, schedule, layout, proof, rank=r,
+                                  same_start=False)  # (recorded while the anchor was always a mean)
                     for r in range(setup["ranks"])]
         measured = m.get("meter_bytes_per_rank") or m["payload_bytes_per_rank"]
         if not declared[0].exact:  # AB: its ranks come from the data; every layer dense bounds them
@@ -90,7 +91,9 @@ def test_plan_config_for_any_algorithm_hierarchical_included(tmp_path):
     assert rows["mine"]["bytes_per_step"] == t.bytes() / t.steps
     n = sum(p.numel() for p in __import__("commhooks.tools.models", fromlist=["x"]).build_model("cnn").parameters())
     assert t.bytes(tag="group-grad") == 1200 * 4 * n  # the replica group's gradient mean, every step, in the node
-    assert t.bytes(scope="across", tag="anchor") == 4 * (n // 4)  # rank 0's quarter crosses the nodes
+    assert t.bytes(tag="anchor") == 0  # the ranks start equal: their own weights are the anchor
+    t = plan.declared({"config": str(conf)}, plan.model_shapes("cnn"), plan.Schedule(), layout, same_start=False)
+    assert t.bytes(scope="across", tag="anchor") == 4 * (n // 4)  # else rank 0's quarter crosses the nodes
     table = subprocess.run([sys.executable, "-m", "commhooks.cli", "plan", *argv], capture_output=True, text=True,
                            check=True).stdout
     # 4 nodes: the quarter crossing them is averaged by the two-step exchange (auto from 3 ranks)

@@ -15,12 +15,14 @@ owns everything algorithms share, so a subclass holds only its algorithm:
 * the post-sync check (``check_every``) and the sync counters;
 * ``state_dict`` / ``load_state_dict`` of the counters, ``remove``.
 
-Three small collaborators it owns do the rest: :class:`~.parameters.ParameterSet`
+Small collaborators it owns do the rest: :class:`~.parameters.ParameterSet`
 (``state.parameter_set``: the tensors covered, by name; parameters that join
 later; strays the engine never hands over), :class:`~.step_alignment.StepAlignment`
 (``state.alignment``: GradScaler takeover, the NaN/Inf guard, the step proof of
-each sync and its check, the period agreement) and :mod:`.reporting`
-(``report``, ``memory``, the ``log_every`` line).
+each sync and its check, the period agreement), :mod:`.run_end` (a run
+that ends synced: ``with state:``, ``finish()``, the end of a Join; the
+warnings of an open end) and :mod:`.reporting` (``report``, ``memory``, the
+``log_every`` line).
 
 The interface the engines drive (an engine adapter calls only these, and
 chooses what to call from what the state *declares*, never from its name):
@@ -71,7 +73,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from typing import ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -79,7 +80,7 @@ import torch
 from .._version import __version__
 from ..comm import CollectiveError, Comm, Work
 from ..config import ConfigError, HookConfig, from_dict, load_config, to_dict
-from . import alignment, reporting
+from . import alignment, reporting, run_end
 from .averaging import average_, float_buffers
 from .consistency import verify_identical, verify_same_everywhere
 from .engine_facts import EngineFacts, _facts_of_hand_built_state
@@ -160,7 +161,7 @@ class AlgorithmState:
             "config": to_dict(self.config), "world": comm.size, "version": __version__,
             "params": [(n, tuple(p.shape)) for n, p in self.named_params], **self.describe()})
         self.start()
-        self._warn_unoptimized(self.named_params)
+        run_end.warn_unoptimized(self, self.named_params)
         self._handles = []
         if not self.engine.drives_steps:
             self._register_step_hooks()
@@ -339,7 +340,7 @@ class AlgorithmState:
         """After each optimizer step: count it, then :meth:`after_step`; every ``log_every`` steps a log line."""
         self.step += 1
         if not self._warned_end:
-            self._warn_open_end()
+            run_end.warn_open_end(self)
         self.after_step()
         if self.config.log_every and self.step % self.config.log_every == 0 and self.comm.rank == 0:
             log.info(self.log_line())
@@ -462,14 +463,14 @@ class AlgorithmState:
                                {"new": [(n, tuple(p.shape)) for n, p in new], "step": self.step})
         self.parameter_set.add(new)
         self._guard.extend([n for n, _ in new])
-        self._warn_unoptimized(new)
+        run_end.warn_unoptimized(self, new)
         self.parameters_added(new)
         return [n for n, _ in new]
 
     def parameters_added(self, new: List[Tuple[str, torch.Tensor]]) -> None:
         """Subclass hook: parameters that joined the sync (after :meth:`refresh_parameters`)."""
 
-    # ------------------------------------------------------- the run's end
+    # ------------------------------------------------------- the run's end (:mod:`.run_end`)
     def __enter__(self) -> "AlgorithmState":
         """``with state:`` around the training loop: its exit ends the run synced (:meth:`finish`)."""
         self._in_context = True
@@ -486,36 +487,18 @@ class AlgorithmState:
         synced, sync now.  Collective: every rank calls it after its last step (``with state:`` does)."""
         self.final_sync()
 
-    def _warn_open_end(self) -> None:
-        """Once, at the first step: a run whose ranks differ between syncs, with no known end and no ``with
-        state:``, may end between two syncs, with different models on the ranks."""
-        self._warned_end = True
-        if not self.runs_apart or self._in_context or "total_steps" not in type(self.config).model_fields:
-            return
-        if self.config.total_steps is not None:
-            return
-        warnings.warn(
-            f"{self.display_name}: total_steps is not set, and between syncs each rank's model is its own: a run that "
-            "ends between two syncs ends with different models on the ranks. Set total_steps (the last period then "
-            "ends with a sync; commhooks train fills it from --steps, DeepSpeed from its scheduler's "
-            "total_num_steps), or wrap the loop in `with state:` (its exit syncs if the last step did not; "
-            "state.finish() after the loop does the same)", stacklevel=user_stacklevel())
+    def final_sync(self) -> None:
+        """Sync if the last round was left open (:func:`.run_end.final_sync`)."""
+        run_end.final_sync(self)
 
-    def _warn_unoptimized(self, named: Sequence[Tuple[str, torch.Tensor]]) -> None:
-        """Trainable model parameters in none of the optimizers given: another optimizer that steps them after a
-        sync makes the ranks differ again, silently.  A warning on every rank, naming them."""
-        missing = self.parameter_set.unoptimized(named)
-        if missing:
-            warnings.warn(
-                f"{self.display_name}: trainable parameters in none of the optimizers given: {', '.join(missing[:8])}"
-                f"{' ...' if len(missing) > 8 else ''} ({len(missing)}). If another optimizer steps them, its updates "
-                "after each sync make the ranks differ: pass every optimizer, in the order the loop steps them "
-                "(commhooks.ddp.register(ddp_model, [opt_a, opt_b], config), or optimizer=[opt_a, opt_b])",
-                stacklevel=user_stacklevel())
+    def in_sync_at(self) -> Optional[int]:
+        """The optimizer step right after which every rank last held the same weights (a complete sync);
+        ``None`` before the first.  Checkpoints marked ``synced`` and the end of a Join rely on it."""
+        return self.sync_steps[-1] if self.sync_steps else None
 
-    # ------------------------------------------------------------ Join
+    # ------------------------------------------------------------ Join (torch's Joinable protocol)
     def join_hook(self, **kwargs) -> alignment.ShadowJoinHook:
-        """torch's Joinable protocol: ``with Join([ddp_model, state]):`` lets ranks with fewer batches shadow."""
+        """``with Join([ddp_model, state]):`` lets ranks with fewer batches shadow the others."""
         return alignment.ShadowJoinHook(self)
 
     @property
@@ -527,37 +510,12 @@ class AlgorithmState:
         return self.comm.world.handle
 
     def shadow_step(self) -> None:
-        """One iteration of the others, on a rank that has run out of data: agree on periods, count the
-        step, take part in its sync or phase switch (and, where the state reduces gradients, in the reduction
-        of gradients the engine did not hand over, with zeros).  The optimizer makes no update."""
-        self.joined = True
-        if self.reduces_gradients:
-            self._reduce_strays(shadow=True)
-        self.before_step()
-        self.end_step()
+        """One iteration of the others on a rank out of data (:func:`.run_end.shadow_step`)."""
+        run_end.shadow_step(self)
 
     def end_join(self) -> None:
-        """At the end of a Join context (every rank calls it): if some rank ran out of data early (uneven
-        inputs, a real end), sync the open round so every rank leaves with the same model.  If every rank
-        stepped to the end together (a per-epoch ``with ddp_model.join():`` on even shards) the schedule goes
-        on untouched: one flag allreduce, no sync.  The run's end is ``with state:`` / ``total_steps``."""
-        flag = torch.tensor([1.0 if self.joined else 0.0], device=self.device)
-        if self.comm.size > 1:
-            self.comm.allreduce([flag], op="max", tag="join", metered=False)
-        self.joined = False
-        if flag.item():
-            self.final_sync()
-
-    def final_sync(self) -> None:
-        """Sync if the last round was left open (the end of a run: :meth:`finish`, a Join with uneven inputs)."""
-        self.joined = False
-        if self.step and self.in_sync_at() != self.step:
-            self.sync()
-
-    def in_sync_at(self) -> Optional[int]:
-        """The optimizer step right after which every rank last held the same weights (a complete sync);
-        ``None`` before the first.  Checkpoints marked ``synced`` and the end of a Join rely on it."""
-        return self.sync_steps[-1] if self.sync_steps else None
+        """At the end of a Join context, every rank: sync if some rank ran out early (:func:`.run_end.end_join`)."""
+        run_end.end_join(self)
 
     # ---------------------------------------------------------- lifecycle
     def remove(self) -> None:

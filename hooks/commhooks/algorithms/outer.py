@@ -26,9 +26,11 @@ amplifies small pseudo-gradients and lr 1 / momentum 0 with a compressed
 payload is the safer choice.  ``error_feedback`` carries what the codec lost
 into the next sync.
 
-The anchor is taken at the first step (after any ``broadcast_parameters``)
-as the mean over the group, so ranks that started from different weights
-still share one anchor (one parameter-sized payload, tag ``anchor``).
+The anchor is taken at the first step (after any ``broadcast_parameters``):
+the ranks' own weights when they all hold the same (DDP broadcasts them at
+construction; a 32-byte fingerprint comparison checks it), else the mean over
+the group, so ranks that started from different weights still share one
+anchor (one parameter-sized payload, tag ``anchor``).
 
 Memory (fp32, each the size of the tensors synced; :meth:`OuterSync.memory`):
 the anchor; the outer momentum (``outer_momentum > 0``); the error-feedback
@@ -114,9 +116,13 @@ class OuterSync:
             out["sync_buffers"] = scratch
         return out
 
-    def take_anchor(self, comm: Comm, tensors: Sequence[torch.Tensor], group=None) -> None:
-        """The anchor: the group's mean of ``tensors`` (which every rank then takes as its weights too)."""
+    def take_anchor(self, comm: Comm, tensors: Sequence[torch.Tensor], group=None, averaged: bool = True) -> None:
+        """The anchor: the group's mean of ``tensors`` (which every rank then takes as its weights too); with
+        ``averaged=False`` (the caller knows every rank holds the same ``tensors``) a copy of them."""
         flat = self._flat(tensors)
+        if not averaged:
+            self.anchor = flat
+            return
         comm.allreduce([flat], op="mean", group=group, tag="anchor")
         self.anchor = flat
         self._write(tensors, flat)

@@ -55,6 +55,7 @@ import torch
 from ..comm import Comm, Work
 from ..config import ConfigError
 from .alignment import STEP_PROOF_BYTES
+from .consistency import same_everywhere
 from .outer import OuterSync
 from .streaming import run_views, send_points, split_fragments, split_views
 
@@ -231,9 +232,11 @@ class StreamedSyncs:
     def anchored(self) -> bool:
         return all(o.anchor is not None for o in self.outers)
 
-    def take_anchor(self, comm: Comm, tensors: Sequence[torch.Tensor], group=None) -> None:
+    def take_anchor(self, comm: Comm, tensors: Sequence[torch.Tensor], group=None, averaged: bool = True) -> None:
+        """Each fragment's anchor: the group's mean of ``tensors``, or (``averaged=False``: every rank holds the
+        same already) this rank's own copy, with nothing sent."""
         for k, outer in enumerate(self.outers):
-            outer.take_anchor(comm, self.tensors(k, tensors), group=group)
+            outer.take_anchor(comm, self.tensors(k, tensors), group=group, averaged=averaged)
 
     def send(self, k: int, comm: Comm, tensors: Sequence[torch.Tensor], proof: torch.Tensor, step: int,
              apply_at: int, group=None, tag: str = "sync", seed: Optional[int] = None, scale: float = 1.0) -> None:
@@ -321,9 +324,14 @@ class OuterSteps:
                               "parameters of the first step)")
 
     def take_anchor(self) -> None:
-        """First step: every rank's anchor (and weights) the mean of the ranks' weights."""
+        """First step: every rank's anchor (and weights) the mean of the ranks' weights; when every rank starts
+        from the same weights (DDP broadcasts them, as do Horovod's ``broadcast_parameters`` and DeepSpeed), their
+        own copy: a 32-byte fingerprint comparison instead of a model-sized mean."""
         host = self.host
         with host.collective_context():
+            if same_everywhere(host.comm, self.cover.params()):
+                self.streams.take_anchor(host.comm, self.cover.sent(), averaged=False)
+                return
             self.streams.take_anchor(host.comm, self.cover.sent(), group=self.cover.across)
             self.cover.share(host.comm)
         host.tensors_changed()

@@ -12,7 +12,8 @@ Registered with the algorithm (``register_algorithm(QSRConfig, QSRState, traffic
   fragment's pseudo-gradient with its own step proof, fp32 by allreduce, any other codec by allgather of
   ``proof + codec.nbytes(fragment)`` or by the two-step exchange (an all-to-all when sent, an allgather when it
   lands: :func:`~commhooks.algorithms.traffic.body_sends`) (``sync``, ``sync-f<k>``); buffers (``sync-buffers``) and moments
-  (``sync-moments``) each with a proof; the anchor once at the first step (``anchor``, ``4 x`` the synced
+  (``sync-moments``) each with a proof; unless every rank starts from the same weights (``setting.same_start``:
+  DDP and Horovod's ``broadcast_parameters`` see to it), the anchor once at the first step (``anchor``, ``4 x`` the synced
   elements); hierarchical: each landed fragment shared in the group.
 
 The schedule (the rule's periods from ``setting.lr``; fragments' send points, overlapped syncs landing
@@ -104,7 +105,8 @@ def qsr_traffic(config, setting: Setting) -> Traffic:
         h, since = None, 0
         for t in range(s.steps):
             step = t + 1
-            if t == 0:  # the anchor: the group's mean of what this rank syncs, fragment by fragment
+            if t == 0 and not (s.same_start and not engine_dp):  # the anchor: the group's mean of what this rank
+                # syncs, fragment by fragment (ranks that start equal keep their own: a ZeRO shard never is)
                 timeline[t] += [Send("allreduce", 4 * f, "anchor", scope) for f in frags] + share(part)
             if h is None:
                 h = qsr_period(t, s.lr(t), c)

@@ -65,7 +65,9 @@ class Setting:
     ``proof_bytes``: the step proof every sync carries (older recorded runs: 36).  ``engine_data_parallel``: an
     engine averages inside each replica group itself and hands over its shard (DeepSpeed ZeRO).
     ``factor_ranks`` (AB): the rank of each compressed layer (None: kept dense), one mapping for every AB
-    phase or a list, one per phase; AB's ranks come from the data, so without them AB declares a bound."""
+    phase or a list, one per phase; AB's ranks come from the data, so without them AB declares a bound.
+    ``same_start``: every rank starts from the same weights (DDP broadcasts them; runs recorded before
+    2026-12-05 averaged them anyway: False)."""
 
     shapes: Tuple[Tuple[str, Tuple[int, ...]], ...]
     world: int = 2
@@ -79,6 +81,7 @@ class Setting:
     proof_bytes: int = STEP_PROOF_BYTES
     engine_data_parallel: bool = False
     factor_ranks: Optional[object] = None
+    same_start: bool = True
 
     @property
     def numel(self) -> int:

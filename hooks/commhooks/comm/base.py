@@ -370,24 +370,8 @@ class Comm:
         group = group or self.world
         if group.size == 1:
             return Work(lambda: [tensor]) if async_op else [tensor]
-        flat = tensor.reshape(-1).contiguous()
-        nbytes = flat.numel() * flat.element_size()
-        what = lambda: self._describe("allgather", group, tag, nbytes)  # noqa: E731
-        if metered:
-            self.meter.record(group.name, "allgather", nbytes, tag)
-        try:
-            gathered = self._allgather_flat(flat, group)
-        except Exception as exc:
-            raise CollectiveError(f"{what()} failed: {exc}") from exc
-
-        def wait() -> List[torch.Tensor]:
-            try:
-                return [chunk.view_as(tensor) for chunk in gathered().chunk(group.size)]
-            except Exception as exc:
-                raise CollectiveError(f"{what()} failed: {exc}") from exc
-
-        work = Work(wait)
-        return work if async_op else work.wait()
+        return self._exchange("allgather", self._allgather_flat, tensor, group, tag, metered, async_op,
+                              shape=tensor.shape)
 
     def alltoall(self, tensor: torch.Tensor, group: Optional[Group] = None, tag: str = "",
                  metered: bool = True, async_op: bool = False):
@@ -399,23 +383,31 @@ class Comm:
         counts ``all_to_all_single``.  ``async_op``: a :class:`Work` whose ``wait()`` returns the list.
         """
         group = group or self.world
-        flat = tensor.reshape(-1).contiguous()
-        if flat.numel() % group.size:
-            raise ValueError(f"alltoall '{tag}': {flat.numel()} elements do not split into {group.size} equal pieces")
+        if tensor.numel() % group.size:
+            raise ValueError(f"alltoall '{tag}': {tensor.numel()} elements do not split into {group.size} equal pieces")
         if group.size == 1:
+            flat = tensor.reshape(-1)
             return Work(lambda: [flat]) if async_op else [flat]
+        return self._exchange("alltoall", self._alltoall_flat, tensor, group, tag, metered, async_op)
+
+    def _exchange(self, kind: str, primitive, tensor: torch.Tensor, group: Group, tag: str, metered: bool,
+                  async_op: bool, shape=None):
+        """An allgather or all-to-all of ``tensor`` (flat): meter it, start ``primitive``, and give the pieces it
+        returns, one per member in group-rank order (viewed as ``shape`` if given); failures name the call."""
+        flat = tensor.reshape(-1).contiguous()
         nbytes = flat.numel() * flat.element_size()
-        what = lambda: self._describe("alltoall", group, tag, nbytes)  # noqa: E731
+        what = lambda: self._describe(kind, group, tag, nbytes)  # noqa: E731
         if metered:
-            self.meter.record(group.name, "alltoall", nbytes, tag)
+            self.meter.record(group.name, kind, nbytes, tag)
         try:
-            exchanged = self._alltoall_flat(flat, group)
+            started = primitive(flat, group)
         except Exception as exc:
             raise CollectiveError(f"{what()} failed: {exc}") from exc
 
         def wait() -> List[torch.Tensor]:
             try:
-                return list(exchanged().chunk(group.size))
+                pieces = started().chunk(group.size)
+                return [p.view(shape) for p in pieces] if shape is not None else list(pieces)
             except Exception as exc:
                 raise CollectiveError(f"{what()} failed: {exc}") from exc
 

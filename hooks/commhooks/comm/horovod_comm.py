@@ -92,9 +92,20 @@ class HorovodComm(Comm):
             self._inflight[key].discard(i)
 
     def _allgather_flat(self, flat: torch.Tensor, group: Group):
-        key, i, name = self._claim(group, "allgather", flat)
-        try:  # Horovod's allgather carries any dtype, int8 and raw bytes included (its allreduce refuses those)
-            handle = self.hvd.allgather_async(flat, name=name, process_set=group.handle)
+        # Horovod's allgather carries any dtype, int8 and raw bytes included (its allreduce refuses those)
+        return self._started("allgather", self.hvd.allgather_async, flat, group)
+
+    def _alltoall_flat(self, flat: torch.Tensor, group: Group):
+        # equal splits (splits=None): piece j of the first dimension to member j; newer Horovods' synchronize gives
+        # (output, received splits)
+        wait = self._started("alltoall", self.hvd.alltoall_async, flat, group)
+        return lambda: (lambda out: out[0] if isinstance(out, (tuple, list)) else out)(wait())
+
+    def _started(self, kind: str, start, flat: torch.Tensor, group: Group):
+        """Start Horovod's ``start(flat, name=, process_set=)`` under a claimed name; the function that waits."""
+        key, i, name = self._claim(group, kind, flat)
+        try:
+            handle = start(flat, name=name, process_set=group.handle)
         except Exception:
             self._inflight[key].discard(i)
             raise
@@ -104,23 +115,6 @@ class HorovodComm(Comm):
                 return self.hvd.synchronize(handle)
             finally:
                 self._inflight[key].discard(i)
-
-        return wait
-
-    def _alltoall_flat(self, flat: torch.Tensor, group: Group):
-        key, i, name = self._claim(group, "alltoall", flat)
-        try:  # equal splits (splits=None): piece j of the first dimension to member j
-            handle = self.hvd.alltoall_async(flat, name=name, process_set=group.handle)
-        except Exception:
-            self._inflight[key].discard(i)
-            raise
-
-        def wait():
-            try:
-                out = self.hvd.synchronize(handle)
-            finally:
-                self._inflight[key].discard(i)
-            return out[0] if isinstance(out, (tuple, list)) else out  # (output, received splits) in newer Horovods
 
         return wait
 

@@ -65,8 +65,10 @@ METHODS: Dict[str, List[str]] = {
     "qsr-diloco-int4-lrsum": ["--config", "configs/qsr_diloco_int4_lrsum_mnist1d.json"],
     # int4 averaged by one allgather whatever the world (the default, auto, takes the two-step exchange from 3 ranks)
     "qsr-diloco-int4-allgather": ["--config", "configs/qsr_diloco_int4_allgather_mnist1d.json"],
-    # int2 to nearest with one scale per 256 elements; and with QSR's alpha doubled (periods 4x as long), in fp32 too
+    # int2 to nearest with one scale per 256 elements; and with QSR's alpha raised (periods (a/0.01)^2 as long); fp32 too
     "qsr-diloco-int2-b256": ["--config", "configs/qsr_diloco_int2_b256_mnist1d.json"],
+    "qsr-diloco-int2-a0125": ["--config", "configs/qsr_diloco_int2_a0125_mnist1d.json"],  # alpha 0.0125, 0.015, 0.02
+    "qsr-diloco-int2-a015": ["--config", "configs/qsr_diloco_int2_a015_mnist1d.json"],
     "qsr-diloco-int2-a02": ["--config", "configs/qsr_diloco_int2_a02_mnist1d.json"],
     "qsr-diloco-a02": ["--config", "configs/qsr_diloco_a02_mnist1d.json"],
     # the same, each sync landing 2 local steps after it is sent (Streaming DiLoCo's overlap)
@@ -78,6 +80,8 @@ METHODS: Dict[str, List[str]] = {
     "qsr-power1": ["--config", "configs/qsr_power1_mnist1d.json"],
     # replica groups of a node's ranks that each sync their part across nodes (qsr.hierarchical), int8 changes
     "qsr-int8-hier": ["--config", "configs/qsr_int8_hier_mnist1d.json"],
+    "qsr-int4-hier": ["--config", "configs/qsr_int4_hier_mnist1d.json"],  # the same in int4, and in int2 (nearest)
+    "qsr-int2-hier": ["--config", "configs/qsr_int2_hier_mnist1d.json"],
     # the same with a constant period of 2 (alpha 0): more syncs, closer to DDP; and each sync landing a step later
     "local-h2-int8-hier": ["--config", "configs/local_h2_int8_hier_mnist1d.json"],
     "local-h2-int8-hier-overlap": ["--config", "configs/local_h2_int8_hier_overlap_mnist1d.json"],

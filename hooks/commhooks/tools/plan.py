@@ -176,13 +176,14 @@ def read_config(path: str) -> dict:
 
 def declared(source: dict, shapes: Shapes, schedule: Schedule, layout: "Layout", proof: int = PROOF,
              overrides: Optional[dict] = None, buffers: int = 0, rank: int = 0,
-             moments_per_param: int = 2) -> Declared:
+             moments_per_param: int = 2, same_start: bool = True) -> Declared:
     """The declared traffic of one method: ``{"config": path or dict}`` (its registered algorithm declares it, asked
     for a run of ``schedule.steps`` steps) or a baseline ``{"hook": ...}`` (:mod:`.anchor_traffic`).
-    ``moments_per_param``: optimizer moments a sync may average (AdamW: 2)."""
+    ``moments_per_param``: optimizer moments a sync may average (AdamW: 2).  ``same_start``: the ranks start
+    from the same weights (runs recorded before 2026-12-05 averaged them anyway: False)."""
     setting = Setting.of(shapes, world=layout.world, local_world=layout.ranks_per_node, rank=rank,
                          steps=schedule.steps, lr=schedule.lr, proof_bytes=proof, buffers=buffers,
-                         moments=moments_per_param * sum(math.prod(s) for _, s in shapes))
+                         moments=moments_per_param * sum(math.prod(s) for _, s in shapes), same_start=same_start)
     if "hook" in source:
         return anchor_traffic(source["hook"], setting, source.get("powersgd_rank", 4), source.get("local_period", 8),
                               schedule.anchor_start)
