@@ -31,14 +31,16 @@ def _batch(step, rank):
     return x, x[:, :3].argmax(1)
 
 
-def _qsr_run(config, steps, resume_at=None, outer_optimizer=None):
+def _qsr_run(config, steps, resume_at=None, outer_optimizer=None, via_register=False):
     """QSR through the DDP adapter; ``resume_at``: save there, rebuild everything, load, go on.
-    ``outer_optimizer``: the state built by hand with it (the documented two lines)."""
+    ``outer_optimizer``: the state built by hand with it (the documented two lines), or (``via_register``) handed
+    through ``commhooks.ddp.register``."""
     def build():
         net = DDP(_net(), forward_sync_buffers=False)
         opt = torch.optim.SGD(net.parameters(), **SGD)
-        if outer_optimizer is None:
-            return net, opt, commhooks.ddp.register(net, opt, config)
+        if outer_optimizer is None or via_register:
+            options = {} if outer_optimizer is None else {"outer_optimizer": outer_optimizer}
+            return net, opt, commhooks.ddp.register(net, opt, config, **options)
         state = commhooks.QSRState(opt, model=net, outer_optimizer=outer_optimizer, config=config)
         net.register_comm_hook(state, commhooks.comm_hook)
         return net, opt, state
@@ -121,8 +123,14 @@ def _worker(rank, world):
     out["torch_outer"] = (out["resume"][0], _qsr_run(plain, 12, outer_optimizer=nesterov)[0],
                           _qsr_run(plain, 12, resume_at=7, outer_optimizer=nesterov)[0])
     weights, state = _qsr_run({**plain, "payload": "fp32", "error_feedback": False}, 9,
-                              outer_optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01))
+                              outer_optimizer=lambda ps: torch.optim.Adam(ps, lr=0.01), via_register=True)
     out["adam_outer"] = (weights, state.syncs, state.memory().get("outer_optimizer", 0))
+    try:  # a misspelt option beside the config: named, on every rank, before any collective of the state
+        net = DDP(_net(), forward_sync_buffers=False)
+        commhooks.ddp.register(net, torch.optim.SGD(net.parameters(), lr=0.1), plain, outer_optimiser=nesterov)
+        out["bad_option"] = ""
+    except ConfigError as exc:
+        out["bad_option"] = str(exc)
     # 5. error feedback: the residual is exactly what the codec lost, and rides in the next delta
     torch.manual_seed(10 + rank)
     tensors = [torch.randn(300)]
@@ -223,3 +231,9 @@ def test_round_trip_error_is_bounded_as_documented(codec, bound):
 def test_every_new_key_has_a_config_error(key, value):
     with pytest.raises(ConfigError, match=f"qsr.{key}"):
         load_config({"type": "qsr", key: value})
+
+
+def test_register_passes_state_options_and_names_a_wrong_one(results):
+    for r in results:  # the Adam run above came through commhooks.ddp.register(..., outer_optimizer=...)
+        assert r["adam_outer"][2] > 0  # its state was kept: the option reached the state
+        assert "QSRState takes no 'outer_optimiser'" in r["bad_option"], r["bad_option"]

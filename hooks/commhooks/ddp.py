@@ -22,6 +22,7 @@ Build DDP with ``forward_sync_buffers=False`` (torch >= 2.13; older:
 rank 0's buffers on every forward.
 """
 
+import inspect
 from typing import Optional
 
 import torch
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from . import facts, registry
 from .comm import Comm
-from .config import load_config
+from .config import ConfigError, load_config
 
 
 def buffers_broadcast_each_forward(model) -> bool:
@@ -145,7 +146,7 @@ class _StateEndsJoinFirst:
             self.ddp_hook.post_hook(is_last_joiner)
 
 
-def register(ddp_model, optimizer, config, process_group=None, scaler=None):
+def register(ddp_model, optimizer, config, process_group=None, scaler=None, **state_options):
     """Build the state for ``config`` and register its hook on ``ddp_model``; return the state.
 
     ``config`` is a config object, a dict or a JSON path naming any
@@ -153,18 +154,28 @@ def register(ddp_model, optimizer, config, process_group=None, scaler=None):
     allreduce.  ``optimizer``: one or a list, as frameworks hand them out
     (Accelerate's and Lightning's wrappers are unwrapped).  ``scaler``: your
     ``torch.amp.GradScaler``, if any, so the syncs keep its scale equal on
-    every rank (see ``state.use_scaler``).  Afterwards ``with ddp_model.join():``
-    includes the state.
+    every rank (see ``state.use_scaler``).  ``state_options``: what the
+    algorithm's state takes besides its config, passed on unchanged (QSR's
+    ``outer_optimizer=lambda ps: torch.optim.SGD(ps, ...)``; a JSON config
+    names no optimizer).  Afterwards ``with ddp_model.join():`` includes the
+    state.
     """
     _check_ddp(ddp_model)
     config = load_config(config)
     if config is None:
+        if state_options:
+            raise ConfigError(f"commhooks.ddp.register: {{'type': 'none'}} takes no {', '.join(map(repr, state_options))}")
         state = AllreduceState(process_group)
         ddp_model.register_comm_hook(state, allreduce_hook)
         return state
     state_class = registry.for_config(config).state_class
+    unknown = [k for k in state_options if k not in inspect.signature(state_class.__init__).parameters]
+    if unknown:
+        raise ConfigError(f"commhooks.ddp.register: {state_class.__name__} takes no {', '.join(map(repr, unknown))} "
+                          "(options beside the config are the state's own keyword arguments, e.g. QSR's "
+                          "outer_optimizer; config keys go in the config)")
     state = state_class(optimizer=optimizer, model=ddp_model, engine=facts.for_model(ddp_model),
-                        process_group=process_group, config=config)
+                        process_group=process_group, config=config, **state_options)
     if scaler is not None:
         state.use_scaler(scaler)
     ddp_model.register_comm_hook(state, comm_hook)
