@@ -12,6 +12,11 @@ rank alone.  ``torch.distributed.new_group`` must be entered by every rank for e
 (with NCCL and an eagerly initialised default group every rank takes part in the communicator split), so each
 rank makes the single-rank group of every rank.  With ``group_size`` 1 the data-parallel groups already are
 those single-rank groups, and the same one serves both roles: no second set is made.
+
+Why not ``new_group([rank], use_local_synchronization=True)``, each rank making only its own: with NCCL and a
+default group bound to a device (eager initialisation, ``init_process_group(device_id=...)``), torch 2.13 makes a
+subgroup by ``ncclCommSplit`` of the default group's communicator, which every rank of the default group must
+enter (``_new_process_group_helper`` splits on non-members too); a member-only creation would hang there.
 """
 
 from __future__ import annotations
