@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -82,6 +82,19 @@ class OwnerFeedback:
     value: Optional[torch.Tensor] = None
 
 
+def sum_in_rank_order(chunks, codec, numel: int, proof: torch.Tensor, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's step proof and decoded payload summed in fp32, in rank order, so every rank summing the same
+    ``chunks`` (one per rank, in group-rank order: the proof's float32 bytes, then ``codec``'s bytes of ``numel``
+    elements) gets bitwise the same ``(total, proofs)``.  The allgather's mean and each owner's piece here."""
+    head = 4 * proof.numel()
+    total = torch.zeros(numel, dtype=torch.float32, device=device)
+    proofs = torch.zeros_like(proof, dtype=torch.float32)
+    for chunk in chunks:
+        proofs += chunk[:head].clone().view(torch.float32).to(proofs.device)
+        total += codec.decode(chunk[head:].clone(), numel)
+    return total, proofs
+
+
 def _seed(seed: Optional[int], salt: int, i: int) -> Optional[int]:
     """A distinct stochastic-rounding seed for encoding ``i`` of kind ``salt``, derived from ``seed`` (a function of
     the rank and the step, so a resume draws the same)."""
@@ -110,8 +123,12 @@ class TwoStep:
 
     def decode(self, sent: torch.Tensor, numel: int) -> torch.Tensor:
         """What :meth:`encode` made ``sent`` from (up to the codec's error): what the owners decode."""
-        c, nb = self.layout(numel)
-        return torch.cat([self.codec.decode(sent[i * nb:(i + 1) * nb].clone(), c) for i in range(self.size)])[:numel]
+        return self._joined(sent.split(self.layout(numel)[1]), numel)
+
+    def _joined(self, pieces, numel: int) -> torch.Tensor:
+        """The ``size`` encoded pieces, decoded and joined into ``numel`` elements (the padding dropped)."""
+        c = self.layout(numel)[0]
+        return torch.cat([self.codec.decode(p.clone(), c) for p in pieces])[:numel]
 
     def nbytes(self, numel: int, proof_bytes: int):
         """``(all-to-all input, allgather input)``: the bytes the meter counts for each step."""
@@ -133,21 +150,14 @@ class TwoStep:
         owner = group.ranks.index(comm.rank) if group is not None else comm.rank
 
         def land():
-            received = first.wait()
-            piece = torch.zeros(c, dtype=torch.float32, device=device)
-            proofs = torch.zeros(proof.numel(), dtype=torch.float32, device=device)
-            for chunk in received:  # in rank order: every owner sums the same way
-                proofs += chunk[:hp].clone().view(torch.float32)
-                piece += self.codec.decode(chunk[hp:].clone(), c)
+            piece, proofs = sum_in_rank_order(first.wait(), self.codec, c, proof, device)
             piece /= size
             if feedback is not None and feedback.value is not None:
                 piece += feedback.value.to(device)
             mine = self.codec.encode(piece, _seed(seed, 2, owner))
             if feedback is not None:
                 feedback.value = piece - self.codec.decode(mine, c)
-            means = comm.allgather(mine, group=group, tag=tag)
-            mean = torch.cat([self.codec.decode(m.clone(), c) for m in means])[:numel]
-            return mean, proofs / size
+            return self._joined(comm.allgather(mine, group=group, tag=tag), numel), proofs / size
 
         return Work(land)
 

@@ -56,7 +56,7 @@ from typing_extensions import Annotated, Literal
 
 from ..comm import Comm, Work
 from ..config import HookConfig
-from .exchange import OwnerFeedback, TwoStep, resolve
+from .exchange import OwnerFeedback, TwoStep, resolve, sum_in_rank_order
 
 CODECS = ("fp32", "bf16", "int8", "int4", "int2", "topk")
 DENSE_BITS = {"int8": 8, "int4": 4, "int2": 2}
@@ -245,14 +245,10 @@ def start_mean(comm: Comm, x: torch.Tensor, codec, block: int, proof: torch.Tens
     body = sent if sent is not None else codec.encode(x, seed)
     packed_bytes = torch.cat([proof.to(x.device).contiguous().view(torch.uint8), body])
     work = comm.allgather(packed_bytes, group=group, tag=tag, async_op=True)
-    numel, device, head = x.numel(), x.device, 4 * proof.numel()
+    numel, device = x.numel(), x.device
 
     def decode_all(chunks):
-        total = torch.zeros(numel, dtype=torch.float32, device=device)
-        proofs = torch.zeros_like(proof, dtype=torch.float32)
-        for chunk in chunks:
-            proofs += chunk[:head].clone().view(torch.float32).to(proofs.device)
-            total += codec.decode(chunk[head:].clone(), numel)
+        total, proofs = sum_in_rank_order(chunks, codec, numel, proof, device)
         return total / size, proofs / size
 
     return work.then(decode_all)

@@ -105,8 +105,8 @@ def qsr_traffic(config, setting: Setting) -> Traffic:
         h, since = None, 0
         for t in range(s.steps):
             step = t + 1
-            if t == 0 and not (s.same_start and not engine_dp):  # the anchor: the group's mean of what this rank
-                # syncs, fragment by fragment (ranks that start equal keep their own: a ZeRO shard never is)
+            if t == 0 and (engine_dp or not s.same_start):  # the anchor: the group's mean of what this rank syncs,
+                # fragment by fragment (ranks that start equal keep their own; a ZeRO shard is never the same)
                 timeline[t] += [Send("allreduce", 4 * f, "anchor", scope) for f in frags] + share(part)
             if h is None:
                 h = qsr_period(t, s.lr(t), c)
