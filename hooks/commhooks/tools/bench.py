@@ -82,6 +82,12 @@ METHODS: Dict[str, List[str]] = {
     "qsr-int8-hier": ["--config", "configs/qsr_int8_hier_mnist1d.json"],
     "qsr-int4-hier": ["--config", "configs/qsr_int4_hier_mnist1d.json"],  # the same in int4, and in int2 (nearest)
     "qsr-int2-hier": ["--config", "configs/qsr_int2_hier_mnist1d.json"],
+    # the same in fp32 and as top-k (2 % of each 4096-element chunk, int4 values); and with the DiLoCo outer step
+    # (Nesterov 0.9, outer lr 0.7) on int8, plain and period-aware (outer_normalize lr_sum)
+    "qsr-hier": ["--config", "configs/qsr_hier_mnist1d.json"],
+    "qsr-topk-hier": ["--config", "configs/qsr_topk_hier_mnist1d.json"],
+    "qsr-diloco-int8-hier": ["--config", "configs/qsr_diloco_int8_hier_mnist1d.json"],
+    "qsr-diloco-int8-hier-lrsum": ["--config", "configs/qsr_diloco_int8_hier_lrsum_mnist1d.json"],
     # the same with a constant period of 2 (alpha 0): more syncs, closer to DDP; and each sync landing a step later
     "local-h2-int8-hier": ["--config", "configs/local_h2_int8_hier_mnist1d.json"],
     "local-h2-int8-hier-overlap": ["--config", "configs/local_h2_int8_hier_overlap_mnist1d.json"],
