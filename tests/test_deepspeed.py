@@ -130,6 +130,7 @@ def test_replica_groups_under_deepspeed_bf16_zero(tmp_path):
             o = res[key]
             pair = {0, 1} if r < 2 else {2, 3}
             assert o["dp_world"] == 2 and o["sync_steps"] == [3, 6, 9, 12] and o["step"] == 12
+            assert o["mp_ranks"] == [r]  # DeepSpeed's model-parallel group: the rank alone
             assert all(math.isfinite(x) for x in o["losses"])
             assert sum(o["losses"][-4:]) < sum(o["losses"][:4]), o["losses"]
             synced = [s in (3, 6, 9, 12) for s in range(1, 13)]
@@ -168,6 +169,39 @@ def test_replica_groups_under_deepspeed_bf16_zero(tmp_path):
     for res in runs:  # one rank's NaN: every rank refuses the engine's save, nothing is written, no rank waits
         assert res["nan_save"].startswith("NonFiniteError: NaN or Inf gradient on 1 rank(s)"), res["nan_save"]
     assert not (tmp_path / "nan").exists()
+
+
+def _own_groups(rank, world):
+    import torch.distributed as dist
+
+    from commhooks.deepspeed.groups import ReplicaGroups, own_group
+
+    from torch.distributed import distributed_c10d
+
+    made = distributed_c10d._world.group_count  # torch counts every group this rank takes part in making by order
+    if rank == 0:  # rank 0 alone makes its group while the others wait: nothing of it needs them
+        mine = own_group(rank, world)
+    dist.barrier()
+    if rank != 0:
+        mine = own_group(rank, world)
+    made = distributed_c10d._world.group_count - made  # 0: no group made in the world's order (4: each rank's)
+    one = torch.tensor([float(rank + 1)])
+    dist.all_reduce(one, group=mine)  # the rank alone: its own value
+    mpu = ReplicaGroups([(0, 1), (2, 3)])  # DeepSpeed's mpu for replica groups of 2
+    return {"own": dist.get_process_group_ranks(mine), "sum": float(one), "made": made,
+            "mp": dist.get_process_group_ranks(mpu.get_model_parallel_group()),
+            "dp": dist.get_process_group_ranks(mpu.get_data_parallel_group())}
+
+
+def test_model_parallel_group_is_made_by_its_rank_alone():
+    """The mpu's single-rank model-parallel group: each rank makes only its own (no rank makes the other ranks'
+    groups at start-up); under gloo (and lazily initialised NCCL) without any collective.  The device-bound path
+    (eager NCCL: one split_group entered by every rank) needs several GPUs."""
+    from tests.dist import run_ranks
+
+    for r, out in enumerate(run_ranks(_own_groups, 4, timeout=60)):
+        assert out == {"own": [r], "sum": float(r + 1), "made": 0, "mp": [r], "dp": [0, 1] if r < 2 else [2, 3]}, (
+            r, out)
 
 
 def test_zero3_config_error_on_every_rank_without_hang(tmp_path):

@@ -99,7 +99,8 @@ def run(precision, stage, steps, hook, overflow_at=None, scheduler=None, resume_
     partition = sum(t.numel() for _, t in state.named_params)
     out.update(sync_steps=list(state.sync_steps), step=state.step, skipped=state.skipped_steps,
                ds_skipped=engine.skipped_steps, dp_world=engine.dp_world_size, partition_numel=partition,
-               by_tag=state.meter.by_tag(), final=flat_weights(m), report=state.report())
+               by_tag=state.meter.by_tag(), final=flat_weights(m), report=state.report(),
+               mp_ranks=dist.get_process_group_ranks(engine.mpu.get_model_parallel_group()))
     return out
 
 

@@ -19,10 +19,11 @@ Small collaborators it owns do the rest: :class:`~.parameters.ParameterSet`
 (``state.parameter_set``: the tensors covered, by name; parameters that join
 later; strays the engine never hands over), :class:`~.step_alignment.StepAlignment`
 (``state.alignment``: GradScaler takeover, the NaN/Inf guard, the step proof of
-each sync and its check, the period agreement), :mod:`.run_end` (a run
-that ends synced: ``with state:``, ``finish()``, the end of a Join; the
-warnings of an open end) and :mod:`.reporting` (``report``, ``memory``, the
-``log_every`` line).
+each sync and its check, the period agreement).  Two parts it inherits, each
+in its own module: :class:`~.run_end.RunEnd` (a run that ends synced:
+``with state:``, ``finish()``, torch's Joinable protocol; with the warnings
+of an open end) and :class:`~.reporting.Reporting` (``report``, ``memory``,
+the ``log_every`` line).
 
 The interface the engines drive (an engine adapter calls only these, and
 chooses what to call from what the state *declares*, never from its name):
@@ -79,20 +80,22 @@ import torch
 
 from .._version import __version__
 from ..comm import CollectiveError, Comm, Work
-from ..config import ConfigError, HookConfig, from_dict, load_config, to_dict
-from . import alignment, reporting, run_end
+from ..config import ConfigError, HookConfig, to_dict
+from . import run_end
 from .averaging import average_, float_buffers
 from .consistency import verify_identical, verify_same_everywhere
 from .engine_facts import EngineFacts, _facts_of_hand_built_state
-from .helpers import tensors_to, unwrap_optimizer, user_stacklevel  # noqa: F401  (their old home: re-exported)
+from .helpers import optimizer_list, resolve_config, tensors_to, unwrap_optimizer, user_stacklevel  # noqa: F401
 from .parameters import ParameterSet, reduce_strays
+from .reporting import Reporting
+from .run_end import RunEnd
 from .step_alignment import StepAlignment
 
 
 log = logging.getLogger("commhooks")
 
 
-class AlgorithmState:
+class AlgorithmState(RunEnd, Reporting):
     """Base class of every algorithm's state; see the module docstring for the contract.
 
     ``optimizer``: the optimizer whose steps drive the schedule, or a list
@@ -128,8 +131,8 @@ class AlgorithmState:
         config=None,
         **settings,
     ):
-        self.config = self._resolve_config(config, settings)
-        self.optimizers = self._optimizer_list(optimizer)
+        self.config = resolve_config(type(self), config, settings)
+        self.optimizers = optimizer_list(optimizer)
         self.optimizer = self.optimizers[0]
         self.engine = engine if engine is not None else _facts_of_hand_built_state(model)
         self.module = self.engine.module
@@ -201,26 +204,6 @@ class AlgorithmState:
         return self.alignment.scaler
 
     # ------------------------------------------------------------ set-up
-    def _resolve_config(self, config, settings) -> HookConfig:
-        cls = type(self)
-        if config is not None and settings:
-            raise ConfigError(f"pass either config= or keyword settings, not both (got {sorted(settings)})")
-        conf = (load_config(config, kind=cls.name) if config is not None
-                else from_dict(settings, kind=cls.name, where=cls.__name__))
-        if conf is None:
-            raise ConfigError(f"{cls.__name__} needs a {cls.name!r} config, got type 'none'")
-        return conf
-
-    @staticmethod
-    def _optimizer_list(optimizer) -> List[torch.optim.Optimizer]:
-        opts = [unwrap_optimizer(o) for o in (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])]
-        for i, opt in enumerate(opts):
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise ConfigError(f"optimizer[{i}] must be a torch.optim.Optimizer, got {type(opt).__name__}")
-        if not opts or len({id(o) for o in opts}) != len(opts):
-            raise ConfigError("optimizer must be an optimizer or a non-empty list of distinct optimizers")
-        return opts
-
     @classmethod
     def groups_needed(cls, config, world_size: int, local_world_size: Optional[int]) -> List[Tuple[int, ...]]:
         """The rank groups this algorithm will create for ``config`` (engines with static groups, such as
@@ -315,8 +298,6 @@ class AlgorithmState:
         else:
             sparse = [self._name_of.get(id(p), "?") for g, p in zip(grads, params) if g.layout != torch.strided]
         if sparse:
-            from ..config import ConfigError
-
             raise ConfigError(
                 f"{self.display_name} averages gradients here and {', '.join(sparse)} has a sparse one "
                 "(nn.Embedding(sparse=True)?), which it cannot send. Build the layer with sparse=False; QSR without "
@@ -470,53 +451,6 @@ class AlgorithmState:
     def parameters_added(self, new: List[Tuple[str, torch.Tensor]]) -> None:
         """Subclass hook: parameters that joined the sync (after :meth:`refresh_parameters`)."""
 
-    # ------------------------------------------------------- the run's end (:mod:`.run_end`)
-    def __enter__(self) -> "AlgorithmState":
-        """``with state:`` around the training loop: its exit ends the run synced (:meth:`finish`)."""
-        self._in_context = True
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        self._in_context = False
-        if exc_type is None:  # after an error the other ranks may not come: no collective then
-            self.finish()
-        return False
-
-    def finish(self) -> None:
-        """End the run with the same model on every rank: land the syncs in flight and, unless the last step
-        synced, sync now.  Collective: every rank calls it after its last step (``with state:`` does)."""
-        self.final_sync()
-
-    def final_sync(self) -> None:
-        """Sync if the last round was left open (:func:`.run_end.final_sync`)."""
-        run_end.final_sync(self)
-
-    def in_sync_at(self) -> Optional[int]:
-        """The optimizer step right after which every rank last held the same weights (a complete sync);
-        ``None`` before the first.  Checkpoints marked ``synced`` and the end of a Join rely on it."""
-        return self.sync_steps[-1] if self.sync_steps else None
-
-    # ------------------------------------------------------------ Join (torch's Joinable protocol)
-    def join_hook(self, **kwargs) -> alignment.ShadowJoinHook:
-        """``with Join([ddp_model, state]):`` lets ranks with fewer batches shadow the others."""
-        return alignment.ShadowJoinHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
-
-    @property
-    def join_process_group(self):
-        return self.comm.world.handle
-
-    def shadow_step(self) -> None:
-        """One iteration of the others on a rank out of data (:func:`.run_end.shadow_step`)."""
-        run_end.shadow_step(self)
-
-    def end_join(self) -> None:
-        """At the end of a Join context, every rank: sync if some rank ran out early (:func:`.run_end.end_join`)."""
-        run_end.end_join(self)
-
     # ---------------------------------------------------------- lifecycle
     def remove(self) -> None:
         """Unregister the optimizer hooks and hand AMP scaling back (a DDP comm hook stays until DDP is rebuilt)."""
@@ -551,43 +485,6 @@ class AlgorithmState:
 
     def load_algorithm_state_dict(self, state: dict) -> None:
         """Subclass hook: restore what :meth:`algorithm_state_dict` saved."""
-
-    @property
-    def allreduce_bytes_per_step(self) -> int:
-        """What plain data parallelism sends per rank per optimizer step (the baseline of ``bytes_vs_allreduce``)."""
-        return reporting.allreduce_bytes_per_step(self)
-
-    def report(self) -> dict:
-        """What the algorithm did, as a plain dict for logs and your own logger (W&B, TensorBoard): steps,
-        syncs, bytes sent (total and per tag), what plain allreduce would have sent, plus
-        :meth:`algorithm_report`."""
-        return reporting.report(self)
-
-    def memory(self) -> Dict[str, int]:
-        """Bytes of device memory the algorithm keeps beyond the model and its optimizer, by kind (anchor,
-        outer momentum, residual, sync buffers, syncs in flight, AB bases ...), and their ``total``.  Users
-        size their runs by it: each fp32 copy of the synced tensors costs 4 bytes per element."""
-        return reporting.memory(self)
-
-    def algorithm_memory(self) -> Dict[str, int]:
-        """Subclass hook: the bytes the algorithm keeps, by kind."""
-        return {}
-
-    def algorithm_report(self) -> dict:
-        """Subclass hook: the algorithm's own figures for :meth:`report`."""
-        return {}
-
-    def status(self) -> str:
-        """Subclass hook: the algorithm's state in a few words, for the ``log_every`` line."""
-        return ""
-
-    def log_line(self) -> str:
-        """The ``log_every`` line: step, the algorithm's :meth:`status`, syncs, bytes against plain allreduce."""
-        return reporting.log_line(self)
-
-    def format_report(self) -> str:
-        """:meth:`report` as lines for a log."""
-        return reporting.format_report(self)
 
     def wrap_scheduler(self, scheduler):
         """The lr scheduler to step in place of ``scheduler`` (an algorithm may shape the lr around its

@@ -44,3 +44,30 @@ def tensors_to(obj, device: torch.device):
     if isinstance(obj, (list, tuple)):
         return type(obj)(tensors_to(v, device) for v in obj)
     return obj
+
+
+def resolve_config(cls, config, settings: dict):
+    """The config of state class ``cls`` from ``config=`` (object, dict, JSON path) or keyword ``settings``."""
+    from ..config import ConfigError, from_dict, load_config
+
+    if config is not None and settings:
+        raise ConfigError(f"pass either config= or keyword settings, not both (got {sorted(settings)})")
+    conf = (load_config(config, kind=cls.name) if config is not None
+            else from_dict(settings, kind=cls.name, where=cls.__name__))
+    if conf is None:
+        raise ConfigError(f"{cls.__name__} needs a {cls.name!r} config, got type 'none'")
+    return conf
+
+
+def optimizer_list(optimizer) -> list:
+    """``optimizer`` (one, or a list in the order the loop steps them) as a list of distinct torch optimizers,
+    each unwrapped from a framework's wrapper."""
+    from ..config import ConfigError
+
+    opts = [unwrap_optimizer(o) for o in (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])]
+    for i, opt in enumerate(opts):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer[{i}] must be a torch.optim.Optimizer, got {type(opt).__name__}")
+    if not opts or len({id(o) for o in opts}) != len(opts):
+        raise ConfigError("optimizer must be an optimizer or a non-empty list of distinct optimizers")
+    return opts

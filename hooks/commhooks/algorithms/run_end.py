@@ -17,50 +17,86 @@ And two warnings, once per state, on every rank: a run with no known end
 (:func:`warn_open_end`), and trainable parameters no optimizer given to the
 state steps (:func:`warn_unoptimized`).
 
-Functions of the state (as :func:`~.parameters.reduce_strays`), called by
-its thin methods of the same names; subclasses extend ``final_sync`` (land
-the syncs in flight first) and :func:`end_join` calls theirs.
+:class:`RunEnd` is a part of :class:`~.base.AlgorithmState` (the context
+manager, ``finish``, torch's Joinable protocol); subclasses extend
+``final_sync`` (land the syncs in flight first), and :meth:`RunEnd.end_join`
+calls theirs.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .alignment import ShadowJoinHook
 from .helpers import user_stacklevel
 
 
-def final_sync(state) -> None:
-    """Sync if the last round was left open (the end of a run: ``finish()``, a Join with uneven inputs)."""
-    state.joined = False
-    if state.step and state.in_sync_at() != state.step:
-        state.sync()
+class RunEnd:
+    """How a run ends synced, and torch's Joinable protocol (:class:`~.base.AlgorithmState` inherits them)."""
 
+    def __enter__(self):
+        """``with state:`` around the training loop: its exit ends the run synced (:meth:`finish`)."""
+        self._in_context = True
+        return self
 
-def shadow_step(state) -> None:
-    """One iteration of the others, on a rank that has run out of data: agree on periods, count the step, take
-    part in its sync or phase switch (and, where the state reduces gradients, in the reduction of gradients the
-    engine did not hand over, with zeros).  The optimizer makes no update."""
-    state.joined = True
-    if state.reduces_gradients:
-        state._reduce_strays(shadow=True)
-    state.before_step()
-    state.end_step()
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._in_context = False
+        if exc_type is None:  # after an error the other ranks may not come: no collective then
+            self.finish()
+        return False
 
+    def finish(self) -> None:
+        """End the run with the same model on every rank: land the syncs in flight and, unless the last step
+        synced, sync now.  Collective: every rank calls it after its last step (``with state:`` does)."""
+        self.final_sync()
 
-def end_join(state) -> None:
-    """At the end of a Join context (every rank calls it): if some rank ran out of data early (uneven inputs, a
-    real end), sync the open round so every rank leaves with the same model.  If every rank stepped to the end
-    together (a per-epoch ``with ddp_model.join():`` on even shards) the schedule goes on untouched: one flag
-    allreduce, no sync.  The run's end is ``with state:`` / ``total_steps``."""
-    flag = torch.tensor([1.0 if state.joined else 0.0], device=state.device)
-    if state.comm.size > 1:
-        state.comm.allreduce([flag], op="max", tag="join", metered=False)
-    state.joined = False
-    if flag.item():
-        state.final_sync()
+    def final_sync(self) -> None:
+        """Sync if the last round was left open (the end of a run: ``finish()``, a Join with uneven inputs)."""
+        self.joined = False
+        if self.step and self.in_sync_at() != self.step:
+            self.sync()
+
+    def in_sync_at(self) -> Optional[int]:
+        """The optimizer step right after which every rank last held the same weights (a complete sync);
+        ``None`` before the first.  Checkpoints marked ``synced`` and the end of a Join rely on it."""
+        return self.sync_steps[-1] if self.sync_steps else None
+
+    # torch's Joinable protocol: ``with Join([ddp_model, state]):`` lets ranks with fewer batches shadow the others
+    def join_hook(self, **kwargs) -> ShadowJoinHook:
+        return ShadowJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return self.comm.world.handle
+
+    def shadow_step(self) -> None:
+        """One iteration of the others, on a rank that has run out of data: agree on periods, count the step,
+        take part in its sync or phase switch (and, where the state reduces gradients, in the reduction of
+        gradients the engine did not hand over, with zeros).  The optimizer makes no update."""
+        self.joined = True
+        if self.reduces_gradients:
+            self._reduce_strays(shadow=True)
+        self.before_step()
+        self.end_step()
+
+    def end_join(self) -> None:
+        """At the end of a Join context (every rank calls it): if some rank ran out of data early (uneven
+        inputs, a real end), sync the open round so every rank leaves with the same model.  If every rank
+        stepped to the end together (a per-epoch ``with ddp_model.join():`` on even shards) the schedule goes on
+        untouched: one flag allreduce, no sync.  The run's end is ``with state:`` / ``total_steps``."""
+        flag = torch.tensor([1.0 if self.joined else 0.0], device=self.device)
+        if self.comm.size > 1:
+            self.comm.allreduce([flag], op="max", tag="join", metered=False)
+        self.joined = False
+        if flag.item():
+            self.final_sync()
 
 
 def warn_open_end(state) -> None:

@@ -8,15 +8,14 @@ overflow check) stays inside the replica group, on the fast links; the algorithm
 Model parallelism is not used, but DeepSpeed still reduces over the model-parallel group whenever an ``mpu`` is
 given (gradient norms for clipping, overflow flags: ``deepspeed/runtime/utils.py`` all-reduces over
 ``mpu.get_model_parallel_group()`` with no size check), so that group must be a real process group holding this
-rank alone.  ``torch.distributed.new_group`` must be entered by every rank for every group, in the same order
-(with NCCL and an eagerly initialised default group every rank takes part in the communicator split), so each
-rank makes the single-rank group of every rank.  With ``group_size`` 1 the data-parallel groups already are
-those single-rank groups, and the same one serves both roles: no second set is made.
+rank alone.  With ``group_size`` 1 the data-parallel groups already are those, and the same one serves both roles.
+Otherwise each rank makes its own (:func:`own_group`), without every rank making every rank's group:
 
-Why not ``new_group([rank], use_local_synchronization=True)``, each rank making only its own: with NCCL and a
-default group bound to a device (eager initialisation, ``init_process_group(device_id=...)``), torch 2.13 makes a
-subgroup by ``ncclCommSplit`` of the default group's communicator, which every rank of the default group must
-enter (``_new_process_group_helper`` splits on non-members too); a member-only creation would hang there.
+* a default group bound to a device (NCCL initialised eagerly, ``init_process_group(device_id=...)``): one
+  ``torch.distributed.split_group`` with one split per rank, entered once by every rank (torch makes subgroups of
+  a bound group by ``ncclCommSplit``, which every rank must enter, so a member-only ``new_group`` would hang);
+* otherwise (gloo; NCCL initialised lazily): ``new_group([rank], use_local_synchronization=True)``, which only
+  this rank enters: no collective at all.
 """
 
 from __future__ import annotations
@@ -31,7 +30,8 @@ class ReplicaGroups:
     """An ``mpu`` for ``deepspeed.initialize``: the data-parallel group is this rank's replica group.
 
     Model parallelism is not used: the model-parallel group is the rank alone.  Built collectively
-    (every rank creates every group, in the same order); :meth:`for_config` builds the one for a hook config.
+    (every rank creates every replica group, in the same order); :meth:`for_config` builds the one for a hook
+    config.
     """
 
     def __init__(self, groups: List[Tuple[int, ...]]):
@@ -42,11 +42,8 @@ class ReplicaGroups:
         self.ranks = groups[replicas.group_of(groups, rank)]
         handles = [dist.new_group(list(g)) for g in groups]  # collective: every rank makes every group
         self._dp = handles[replicas.group_of(groups, rank)]
-        if len(self.ranks) == 1:
-            self._mp = self._dp  # the rank alone already (group_size 1)
-        else:  # DeepSpeed needs a process group of the rank alone (see the module docstring)
-            singles = [dist.new_group([r]) for r in range(dist.get_world_size())]
-            self._mp = singles[rank]
+        # DeepSpeed needs a process group of the rank alone (see the module docstring)
+        self._mp = self._dp if len(self.ranks) == 1 else own_group(rank, dist.get_world_size())
         self._rank = rank
 
     @classmethod
@@ -83,3 +80,15 @@ class ReplicaGroups:
 
     def get_tensor_model_parallel_src_rank(self) -> int:
         return self._rank
+
+
+def own_group(rank: int, world_size: int):
+    """A process group of this rank alone, made without each rank making every rank's (see the module docstring).
+
+    Every rank calls it at the same point: under a device-bound default group it is one communicator split that
+    all enter; otherwise only this rank takes part."""
+    import torch.distributed as dist
+
+    if getattr(dist.group.WORLD, "bound_device_id", None) is not None:  # eager NCCL: subgroups are splits
+        return dist.split_group(split_ranks=[[r] for r in range(world_size)], group_desc="commhooks_own_rank")
+    return dist.new_group([rank], use_local_synchronization=True, group_desc="commhooks_own_rank")

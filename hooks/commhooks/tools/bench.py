@@ -91,6 +91,7 @@ METHODS: Dict[str, List[str]] = {
     # the same with a constant period of 2 (alpha 0): more syncs, closer to DDP; and each sync landing a step later
     "local-h2-int8-hier": ["--config", "configs/local_h2_int8_hier_mnist1d.json"],
     "local-h2-int8-hier-overlap": ["--config", "configs/local_h2_int8_hier_overlap_mnist1d.json"],
+    "local-h2-int2-hier": ["--config", "configs/local_h2_int2_hier_mnist1d.json"],  # period 2 in int2 (nearest)
     "compute-only": ["--hook", "compute-only"],
 }
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
