@@ -20,6 +20,7 @@ RECORDED_BYTES = [(p, 36, False) for p in RECORDED] + [
     (REPO / "results" / "bench-gpt-hier-2026-12-04" / "results.json", 36, False),  # 4 ranks on 2 nodes, hierarchical
     (REPO / "results" / "bench-payload-frontier-2026-12-05" / "results.json", 40, True),  # int2, PowerSGD r4
     (REPO / "results" / "bench-exchange-4ranks-2026-12-05" / "results.json", 40, True),  # the two-step exchange
+    (REPO / "results" / "bench-gpt-payloads-2026-12-05" / "results.json", 40, True),  # GPT: fp32 ... top-k, DiLoCo
 ]
 
 

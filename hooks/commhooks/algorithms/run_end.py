@@ -64,8 +64,9 @@ class RunEnd:
         ``None`` before the first.  Checkpoints marked ``synced`` and the end of a Join rely on it."""
         return self.sync_steps[-1] if self.sync_steps else None
 
-    # torch's Joinable protocol: ``with Join([ddp_model, state]):`` lets ranks with fewer batches shadow the others
     def join_hook(self, **kwargs) -> ShadowJoinHook:
+        """torch's Joinable protocol: ``with Join([ddp_model, state]):`` lets ranks with fewer batches shadow the
+        others."""
         return ShadowJoinHook(self)
 
     @property
