@@ -21,6 +21,7 @@ RECORDED_BYTES = [(p, 36, False) for p in RECORDED] + [
     (REPO / "results" / "bench-payload-frontier-2026-12-05" / "results.json", 40, True),  # int2, PowerSGD r4
     (REPO / "results" / "bench-exchange-4ranks-2026-12-05" / "results.json", 40, True),  # the two-step exchange
     (REPO / "results" / "bench-gpt-payloads-2026-12-05" / "results.json", 40, True),  # GPT: fp32 ... top-k, DiLoCo
+    (REPO / "results" / "bench-gpt-1000steps-int2-2026-12-05" / "results.json", 40, True),  # 1000 steps, period 2
 ]
 
 
