@@ -184,24 +184,27 @@ def _own_groups(rank, world):
     dist.barrier()
     if rank != 0:
         mine = own_group(rank, world)
-    made = distributed_c10d._world.group_count - made  # 0: no group made in the world's order (4: each rank's)
+    alone = ReplicaGroups([(0,), (1,), (2,), (3,)])  # group_size 1: the rank's own group in both roles
+    made = distributed_c10d._world.group_count - made  # 0: no group made in the world's order (4 each: each rank's)
     one = torch.tensor([float(rank + 1)])
     dist.all_reduce(one, group=mine)  # the rank alone: its own value
     mpu = ReplicaGroups([(0, 1), (2, 3)])  # DeepSpeed's mpu for replica groups of 2
+    assert alone.get_data_parallel_group() is alone.get_model_parallel_group()
     return {"own": dist.get_process_group_ranks(mine), "sum": float(one), "made": made,
+            "alone": dist.get_process_group_ranks(alone.get_data_parallel_group()),
             "mp": dist.get_process_group_ranks(mpu.get_model_parallel_group()),
             "dp": dist.get_process_group_ranks(mpu.get_data_parallel_group())}
 
 
 def test_model_parallel_group_is_made_by_its_rank_alone():
-    """The mpu's single-rank model-parallel group: each rank makes only its own (no rank makes the other ranks'
-    groups at start-up); under gloo (and lazily initialised NCCL) without any collective.  The device-bound path
+    """The mpu's single-rank model-parallel group, and with ``group_size`` 1 its data-parallel group too: each rank
+    makes only its own (no rank makes the other ranks' groups at start-up); under gloo (and lazily initialised NCCL) without any collective.  The device-bound path
     (eager NCCL: one split_group entered by every rank) needs several GPUs."""
     from tests.dist import run_ranks
 
     for r, out in enumerate(run_ranks(_own_groups, 4, timeout=60)):
-        assert out == {"own": [r], "sum": float(r + 1), "made": 0, "mp": [r], "dp": [0, 1] if r < 2 else [2, 3]}, (
-            r, out)
+        assert out == {"own": [r], "sum": float(r + 1), "made": 0, "alone": [r], "mp": [r],
+                       "dp": [0, 1] if r < 2 else [2, 3]}, (r, out)
 
 
 def test_zero3_config_error_on_every_rank_without_hang(tmp_path):

@@ -85,7 +85,8 @@ from . import run_end
 from .averaging import average_, float_buffers
 from .consistency import verify_identical, verify_same_everywhere
 from .engine_facts import EngineFacts, _facts_of_hand_built_state
-from .helpers import optimizer_list, resolve_config, tensors_to, unwrap_optimizer, user_stacklevel  # noqa: F401
+from .helpers import optimizer_list, resolve_config, tensors_to, unwrap_optimizer
+from .helpers import user_stacklevel  # noqa: F401  (its old home: re-exported)
 from .parameters import ParameterSet, reduce_strays
 from .reporting import Reporting
 from .run_end import RunEnd

@@ -1,9 +1,11 @@
 """Small helpers every algorithm module uses: warnings that point at the user's line, the optimizer inside a
-framework's wrapper, checkpoint tensors moved to a device."""
+framework's wrapper, checkpoint tensors moved to a device; a state's config and optimizers from its arguments."""
 
 from __future__ import annotations
 
 import torch
+
+from ..config import ConfigError, from_dict, load_config
 
 _PACKAGE = __file__.rsplit("/algorithms/", 1)[0]  # .../commhooks
 _TORCH = torch.__file__.rsplit("/", 1)[0]
@@ -48,8 +50,6 @@ def tensors_to(obj, device: torch.device):
 
 def resolve_config(cls, config, settings: dict):
     """The config of state class ``cls`` from ``config=`` (object, dict, JSON path) or keyword ``settings``."""
-    from ..config import ConfigError, from_dict, load_config
-
     if config is not None and settings:
         raise ConfigError(f"pass either config= or keyword settings, not both (got {sorted(settings)})")
     conf = (load_config(config, kind=cls.name) if config is not None
@@ -62,8 +62,6 @@ def resolve_config(cls, config, settings: dict):
 def optimizer_list(optimizer) -> list:
     """``optimizer`` (one, or a list in the order the loop steps them) as a list of distinct torch optimizers,
     each unwrapped from a framework's wrapper."""
-    from ..config import ConfigError
-
     opts = [unwrap_optimizer(o) for o in (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])]
     for i, opt in enumerate(opts):
         if not isinstance(opt, torch.optim.Optimizer):

@@ -8,8 +8,8 @@ overflow check) stays inside the replica group, on the fast links; the algorithm
 Model parallelism is not used, but DeepSpeed still reduces over the model-parallel group whenever an ``mpu`` is
 given (gradient norms for clipping, overflow flags: ``deepspeed/runtime/utils.py`` all-reduces over
 ``mpu.get_model_parallel_group()`` with no size check), so that group must be a real process group holding this
-rank alone.  With ``group_size`` 1 the data-parallel groups already are those, and the same one serves both roles.
-Otherwise each rank makes its own (:func:`own_group`), without every rank making every rank's group:
+rank alone.  With ``group_size`` 1 the data-parallel group is that group, one serving both roles.  Each rank makes
+its own (:func:`own_group`), without every rank making every rank's group:
 
 * a default group bound to a device (NCCL initialised eagerly, ``init_process_group(device_id=...)``): one
   ``torch.distributed.split_group`` with one split per rank, entered once by every rank (torch makes subgroups of
@@ -40,10 +40,12 @@ class ReplicaGroups:
         rank = dist.get_rank()
         self.groups = groups
         self.ranks = groups[replicas.group_of(groups, rank)]
-        handles = [dist.new_group(list(g)) for g in groups]  # collective: every rank makes every group
-        self._dp = handles[replicas.group_of(groups, rank)]
-        # DeepSpeed needs a process group of the rank alone (see the module docstring)
-        self._mp = self._dp if len(self.ranks) == 1 else own_group(rank, dist.get_world_size())
+        if all(len(g) == 1 for g in groups):  # each rank its own replica: one group of the rank alone, both roles
+            self._dp = self._mp = own_group(rank, dist.get_world_size())
+        else:
+            handles = [dist.new_group(list(g)) for g in groups]  # collective: every rank makes every group
+            self._dp = handles[replicas.group_of(groups, rank)]
+            self._mp = own_group(rank, dist.get_world_size())  # DeepSpeed needs the rank alone (module docstring)
         self._rank = rank
 
     @classmethod
