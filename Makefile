@@ -6,7 +6,7 @@ NPROC  ?= 2
 TRAIN  := $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) -m commhooks.tools.train
 DEMO   := results/demo
 
-.PHONY: install demo test docs docs-serve gpu-check gpu-wheels bench bench-gpt bench-gpt-hier bench-papers clean
+.PHONY: install demo test test-oldest-torch docs docs-serve gpu-check gpu-bundle bench bench-gpt bench-gpt-hier bench-papers clean
 
 install:
 	@bash .ci/install.sh
@@ -20,8 +20,13 @@ demo: install
 	$(TRAIN) --config configs/qsr_mnist1d.json --label qsr --json-out $(DEMO)/qsr.json
 	@$(VENV)/bin/commhooks table $(DEMO)/ddp.json $(DEMO)/qsr_best.json $(DEMO)/abqsr.json $(DEMO)/qsr.json
 
-test: install
+# the whole suite on torch 2.13, then its core on the oldest torch setup.cfg accepts (.ci/oldest-torch.sh says why)
+test: install gpu-bundle
 	$(VENV)/bin/python -m pytest -q
+	@bash .ci/oldest-torch.sh
+
+test-oldest-torch:
+	@bash .ci/oldest-torch.sh
 
 # the documentation site (docs/mkdocs.yml), strict: a broken link, a missing snippet or page fails it
 docs: install
@@ -30,16 +35,14 @@ docs: install
 docs-serve: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -f docs/mkdocs.yml
 
-# on a CUDA host: what only a GPU can show (tests/gpu; about 5 min on one H200); skipped, saying so, without CUDA
+# on a CUDA host: what only a GPU can show (tests/gpu; under 8 min on one H100), with no make, index or network
+# there: `bash .ci/gpu-check.sh OUT`; says so and exits 0 without CUDA
 gpu-check:
 	@bash .ci/gpu-check.sh
 
-# wheels a GPU host without a package index lacks (its own python 3.12 and torch): carry .cache/gpu-wheels there
-gpu-wheels: install
-	$(VENV)/bin/python -m pip download -q --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-		--platform manylinux_2_17_x86_64 -d .cache/gpu-wheels pydantic python-hostlist pytest-timeout
-	$(VENV)/bin/python -m pip wheel -q --no-deps -w .cache/gpu-wheels deepspeed==$$($(VENV)/bin/python -c \
-		"import deepspeed; print(deepspeed.__version__)") hjson ninja py-cpuinfo msgpack nvidia-ml-py
+# the wheels the borrowed GPU host lacks (.ci/gpu-bundle.txt), for its Python 3.12: carry .cache/gpu-bundle there
+gpu-bundle:
+	@bash .ci/gpu-bundle.sh
 
 bench: install
 	$(VENV)/bin/commhooks bench --out results/bench

@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 
 from commhooks.launch import free_port
+from tests import torch_compat  # noqa: F401 - the suite's torch spelling, in every rank
 
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def _entry(fn, rank, world, port, outdir, kwargs, env, backend):
+def _entry(fn, rank, world, port, outdir, kwargs, env, backend, device_id):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -36,15 +37,19 @@ def _entry(fn, rank, world, port, outdir, kwargs, env, backend):
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world),
         OMP_NUM_THREADS="1",
-        **env,
+        **(env(rank) if callable(env) else env),
     )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     out = Path(outdir) / f"rank{rank}.pt"
     try:
+        init = {}
+        if device_id is not None:  # eager NCCL: the communicator made at once, subgroups split from it
+            torch.cuda.set_device(device_id)
+            init["device_id"] = torch.device(device_id)
         dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S), **init
         )
         result = fn(rank, world, **kwargs)
         torch.save({"ok": True, "result": result}, out)
@@ -70,14 +75,17 @@ class RankError(AssertionError):
         super().__init__(f"{len(errors)} rank(s) failed:\n{text}")
 
 
-def run_ranks(fn, world_size: int = 2, timeout: float = 120.0, env=None, backend: str = "gloo", **kwargs):
+def run_ranks(fn, world_size: int = 2, timeout: float = 120.0, env=None, backend: str = "gloo",
+              device_id=None, **kwargs):
     """Run ``fn`` on ``world_size`` ranks; return the list of their return values.  ``backend``: the process
-    group's (``"cuda:gloo"``: several ranks on one GPU, refusing CPU tensors as NCCL does)."""
+    group's (``"cuda:gloo"``: several ranks on one GPU, refusing CPU tensors as NCCL does).  ``env``: a dict
+    for every rank, or a function of the rank giving each its own (NCCL on one GPU: tests/gpu/common.py).
+    ``device_id``: a CUDA device each rank binds and hands to ``init_process_group`` (eager NCCL)."""
     ctx = mp.get_context("spawn")
     port = free_port("127.0.0.1")
     with tempfile.TemporaryDirectory() as outdir:
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, port, outdir, kwargs, env or {}, backend), daemon=True)
+            ctx.Process(target=_entry, args=(fn, r, world_size, port, outdir, kwargs, env or {}, backend, device_id), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

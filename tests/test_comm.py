@@ -71,3 +71,20 @@ def test_comm_needs_initialised_process_group():
 
     with pytest.raises(RuntimeError, match="init_process_group"):
         TorchComm()
+
+
+def _device_of_a_comm_without_state(rank, world):
+    from commhooks.comm import TorchComm
+
+    comm = TorchComm()  # no state names the synced tensors' device
+    before = str(comm.device)
+    comm.allreduce([torch.empty(3, device="meta")])  # a one-rank group: nothing is sent, the device is taken
+    return before, str(comm.device)
+
+
+def test_a_comm_without_a_state_takes_the_synced_tensors_device():
+    """Not ``torch.cuda.current_device()``: that is cuda:0 on every rank that never called set_device, and an
+    NCCL group would then pair every rank's control tensors with GPU 0.  (Here the tensors are on ``meta``, a
+    device the CPU has and gloo's default is not.)"""
+    (before, after), = run_ranks(_device_of_a_comm_without_state, 1)
+    assert (before, after) == ("cpu", "meta")

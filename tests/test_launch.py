@@ -260,3 +260,14 @@ def test_launcher_horovodrun():
     proc = run_script(["bash", "launchers/horovodrun.sh", *SHORT], clean_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("[commhooks] ab: test_acc=") == 1 and "ranks=2" in proc.stdout
+
+
+def test_each_rank_finds_its_gpu_whether_it_sees_one_or_all():
+    from commhooks.launch import local_cuda_index
+
+    assert [local_cuda_index(r, visible=4) for r in range(4)] == [0, 1, 2, 3]  # a node's GPUs, one per rank
+    assert [local_cuda_index(r, visible=1) for r in range(4)] == [0, 0, 0, 0]  # srun --gpus-per-task=1
+    with pytest.raises(LaunchError, match=r"LOCAL_RANK 3 and this process sees 2 GPUs .*gpus-per-task"):
+        local_cuda_index(3, visible=2)
+    with pytest.raises(LaunchError, match=r"LOCAL_RANK 0 asks for a GPU, and this process sees none"):
+        local_cuda_index(0, visible=0)

@@ -98,6 +98,65 @@ def test_checkpoint_layout_per_rank_and_latest(tmp_path):
     assert sorted(p.name for p in (tmp_path / latest).iterdir()) == ["manifest.json", "rank0.pt", "rank1.pt"]
 
 
+def _commit_with_late_files(rank, world, ckdir, delay):
+    """Rank 1's file reaches the folder ``delay`` s after its write returned: as rank 0 sees it on a shared
+    filesystem that shows other nodes' files late, or as under NCCL, whose barrier orders the GPU stream and lets
+    the host go on.  Then a save whose rank-1 file never shows up (``commit_timeout_s`` 1 s)."""
+    import threading
+
+    net, opt, sched, state = build("qsr")
+    for step in range(2):
+        step_once(net, opt, sched, step, rank)
+    real = os.replace
+    timers = []
+
+    def land_late(src, dst, *args, **kwargs):
+        if str(dst).endswith("rank1.pt"):
+            timers.append(threading.Timer(delay, real, (src, dst)) if delay else None)
+            if timers[-1] is not None:
+                timers[-1].start()
+            return None
+        return real(src, dst, *args, **kwargs)
+
+    seen = {}
+    if rank == 1:
+        os.replace = land_late
+    try:
+        folder = commhooks.save_checkpoint(ckdir, net, opt, state, sched)
+        # what rank 0 has committed the moment its save returns
+        seen["manifest"] = (folder / "manifest.json").is_file()
+        seen["rank1_file"] = (folder / "rank1.pt").is_file()
+        seen["latest"] = commhooks.latest_checkpoint(ckdir).name
+        step_once(net, opt, sched, 2, rank)
+        delay = 0  # from now on rank 1's file never lands
+        try:
+            commhooks.save_checkpoint(ckdir, net, opt, state, sched, commit_timeout_s=1.0)
+            seen["refused"] = None
+        except commhooks.CheckpointError as exc:
+            seen["refused"] = str(exc)
+    finally:
+        os.replace = real
+        for t in timers:
+            if t is not None:
+                t.join()
+    seen["latest_after_refusal"] = commhooks.latest_checkpoint(ckdir).name
+    net2, opt2, sched2, state2 = build("qsr")
+    seen["resumed_step"] = commhooks.load_checkpoint(ckdir, net2, opt2, state2, sched2)["step"]
+    return seen
+
+
+def test_the_commit_waits_for_every_rank_file_and_refuses_one_that_never_lands(tmp_path):
+    """The manifest and ``latest`` name a checkpoint only once every rank's file is there: a rank-1 file that
+    lands 1.5 s late is waited for (today's commit, a barrier then the manifest, named a folder without it), and
+    one that never lands leaves the previous checkpoint the latest, with the same error on every rank."""
+    r0, r1 = run_ranks(_commit_with_late_files, 2, timeout=120, ckdir=str(tmp_path), delay=1.5)
+    assert r0["manifest"] and r0["rank1_file"] and r0["latest"] == "step-00000002", r0
+    for r in (r0, r1):
+        assert r["refused"] and "was not committed" in r["refused"] and "commit_timeout_s" in r["refused"], r
+        assert r["latest_after_refusal"] == "step-00000002" and r["resumed_step"] == 2, r
+    assert "rank1.pt (absent, rank 1 wrote" in r0["refused"], r0["refused"]
+
+
 # --------------------------------------------------------------------------
 # elastic restart under torchrun after a SIGKILL
 # --------------------------------------------------------------------------

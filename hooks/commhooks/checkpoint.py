@@ -16,11 +16,21 @@ loads on another.  Saving is collective:
 
 1. the ranks agree on the step first (a rank at another step is a
    DivergenceError on every rank, before anything is written);
-2. each rank writes its file to a temporary name and renames it;
-3. after a barrier rank 0 writes ``manifest.json`` (world size, step, whether
-   the hook had just synced) and only then points ``latest`` at the folder.
+2. each rank writes its file to a temporary name, forces it to disk
+   (``fsync``), renames it and forces the folder entry to disk;
+3. the ranks exchange their files' sizes, read on the host: no rank goes on
+   until every rank has written (a barrier alone does not hold the host under
+   NCCL, where it only orders the GPU stream);
+4. rank 0 waits until it sees every rank's file at the size that rank wrote
+   (a shared filesystem may show another node's file late), then writes
+   ``manifest.json`` (world size, step, whether the hook had just synced, the
+   files' sizes), forces it to disk, and only then points ``latest`` at the
+   folder and removes old ones.  If a file does not show up within
+   ``commit_timeout_s``, nothing is committed and every rank raises the same
+   :class:`CheckpointError` naming the file.
 
-So ``latest`` and every folder with a manifest name a complete checkpoint.
+So ``latest`` and every folder with a manifest name a complete checkpoint, and
+a save cut at any point leaves the previous one loadable.
 Loading is collective too: every rank checks that its file exists and loads
 (with ``weights_only=True``: a file that needs anything beyond tensors and
 plain containers is refused, naming the file and the type); if any rank
@@ -41,6 +51,7 @@ import json
 import os
 import pickle
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -89,20 +100,61 @@ def _allreduce_max(state, values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def _barrier(state) -> None:
-    if state is not None and hasattr(state, "comm"):
-        state.comm.barrier()
-    elif dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 # ------------------------------------------------------------------ save
 
 
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
+def _fsync_dir(folder: Path) -> None:
+    """Force a folder's entries (a rename into it) to disk; a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _durable_write(path: Path, write) -> int:
+    """``write(file)`` to a temporary name, force it to disk, rename it to ``path``, force the folder entry:
+    a reader sees the whole file or none.  Returns the file's size."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as fd:
+        write(fd)
+        fd.flush()
+        os.fsync(fd.fileno())
+        size = fd.tell()
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return size
+
+
+def _atomic_save(obj, path: Path) -> int:
+    return _durable_write(path, lambda fd: torch.save(obj, fd))
+
+
+def _sizes_on_every_rank(state, model, rank: int, world: int, size: int) -> List[int]:
+    """Every rank's file size, read on the host: returns only once every rank has written its file."""
+    sizes = torch.zeros(world, dtype=torch.float64, device=_device(state, model))
+    sizes[rank] = float(size)
+    return [int(v) for v in _allreduce_max(state, sizes).tolist()]
+
+
+def _wait_until_visible(folder: Path, sizes: List[int], timeout_s: float) -> str:
+    """Poll until ``folder`` shows every rank's file at the size it wrote; "" then, else what is missing."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = []
+        for r, size in enumerate(sizes):
+            path = folder / f"rank{r}.pt"
+            seen = path.stat().st_size if path.is_file() else None
+            if seen != size:
+                missing.append(f"{path} ({'absent' if seen is None else f'{seen} bytes'}, rank {r} wrote {size})")
+        if not missing or time.monotonic() > deadline:
+            return "; ".join(missing)
+        time.sleep(0.05)
 
 
 def _just_synced(state, step: int) -> bool:
@@ -110,7 +162,8 @@ def _just_synced(state, step: int) -> bool:
 
 
 def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, step: Optional[int] = None,
-                    extra=None, keep: int = 2, synced_only: bool = False) -> Optional[Path]:
+                    extra=None, keep: int = 2, synced_only: bool = False,
+                    commit_timeout_s: float = 60.0) -> Optional[Path]:
     """Write this rank's file of checkpoint ``step`` (default: the hook's step); collective.
 
     ``model`` may be wrapped (DDP's ``.module`` is saved).  ``keep`` complete
@@ -118,7 +171,9 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
     tensors and plain containers (it is loaded with ``weights_only=True``).
     ``synced_only=True`` writes only if the hook synced at this very step
     (returns None otherwise): such a checkpoint also resumes on another number
-    of ranks.
+    of ranks.  ``commit_timeout_s``: how long rank 0 waits to see every rank's
+    file before it gives up on this checkpoint (raising on every rank); raise
+    it for a shared filesystem that shows other nodes' files late.
     """
     if step is None:
         if state is None:
@@ -146,7 +201,7 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
     folder = root / f"step-{step:08d}"
     folder.mkdir(parents=True, exist_ok=True)
     module = getattr(model, "module", model)
-    _atomic_save({
+    size = _atomic_save({
         "version": __version__,
         "step": step,
         "rank": rank,
@@ -161,18 +216,24 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
         "cuda_rng": _cuda_rng_state(model),
         "extra": extra,
     }, folder / f"rank{rank}.pt")
-    _barrier(state)  # every rank's file is on disk before the manifest and `latest` name the folder
+    sizes = _sizes_on_every_rank(state, model, rank, world, size)  # on the host: every rank has written
+    missing = ""
     if rank == 0:
-        tmp = folder / f"{MANIFEST}.tmp{os.getpid()}"
-        tmp.write_text(json.dumps({"step": step, "world_size": world, "synced": synced, "version": __version__}))
-        os.replace(tmp, folder / MANIFEST)
-        tmp = root / f"latest.tmp{os.getpid()}"
-        tmp.write_text(folder.name)
-        os.replace(tmp, root / "latest")
-        complete = [p for p in _complete_folders(root)]
-        for old in complete[keep:] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier(state)
+        missing = _wait_until_visible(folder, sizes, commit_timeout_s)
+        if not missing:
+            manifest = {"step": step, "world_size": world, "synced": synced, "version": __version__, "sizes": sizes}
+            _durable_write(folder / MANIFEST, lambda fd: fd.write(json.dumps(manifest).encode()))
+            _durable_write(root / "latest", lambda fd: fd.write(folder.name.encode()))
+            complete = [p for p in _complete_folders(root)]
+            for old in complete[keep:] if keep > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+    failed = torch.tensor([1.0 if missing else 0.0], dtype=torch.float64, device=_device(state, model))
+    if _allreduce_max(state, failed).tolist()[0]:  # on the host: rank 0 has committed, or given up
+        raise CheckpointError(
+            f"checkpoint {folder} was not committed (the previous one stays the latest): rank 0 did not see every "
+            f"rank's file within commit_timeout_s={commit_timeout_s:g} s"
+            + (f": {missing}" if missing else " (this rank's view is in rank 0's error)")
+            + "; save to a folder every rank shares (a shared filesystem), or raise commit_timeout_s")
     return folder
 
 

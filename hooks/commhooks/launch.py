@@ -252,6 +252,26 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+def local_cuda_index(local_rank: int, visible: Optional[int] = None) -> int:
+    """The CUDA device index this process uses: ``local_rank`` where the process sees every GPU of its node,
+    and 0 where it sees one (``srun --gpus-per-task=1``, ``--gpu-bind``, wrappers that set
+    ``CUDA_VISIBLE_DEVICES`` per task): there ``cuda:LOCAL_RANK`` does not exist.  ``visible`` defaults to
+    ``torch.cuda.device_count()``.  Fewer visible GPUs than this local rank needs, but more than one, is
+    ambiguous (two ranks would share a GPU, which NCCL refuses): a :class:`LaunchError` naming both."""
+    visible = torch.cuda.device_count() if visible is None else visible
+    if visible < 1:
+        raise LaunchError(f"LOCAL_RANK {local_rank} asks for a GPU, and this process sees none "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+    if visible == 1:
+        return 0
+    if local_rank < visible:
+        return local_rank
+    raise LaunchError(
+        f"LOCAL_RANK {local_rank} and this process sees {visible} GPUs "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): give each task one GPU "
+        "(srun --gpus-per-task=1) or all of the node's, one rank per GPU")
+
+
 def init_distributed(backend: Optional[str] = None, timeout: float = 300.0) -> dict:
     """Initialise the default process group once; return the placement as a dict.
 
@@ -261,9 +281,10 @@ def init_distributed(backend: Optional[str] = None, timeout: float = 300.0) -> d
 
     ``backend``: default ``"nccl"`` where CUDA and NCCL are present, else
     ``"gloo"``.  With NCCL (any backend string naming it or ``cuda``) the
-    process binds ``cuda:LOCAL_RANK`` (``torch.cuda.set_device``) and passes it
-    as ``device_id`` to ``init_process_group``, so the communicator is made
-    for that GPU at once.
+    process binds its GPU (``cuda:LOCAL_RANK``, or ``cuda:0`` where each task
+    sees one GPU: :func:`local_cuda_index`) with ``torch.cuda.set_device`` and
+    passes it as ``device_id`` to ``init_process_group``, so the communicator
+    is made for that GPU at once.
     """
     if dist.is_initialized():
         check_world_size(dist.get_world_size(), "torch.distributed")
@@ -302,9 +323,10 @@ def init_distributed(backend: Optional[str] = None, timeout: float = 300.0) -> d
     td = datetime.timedelta(seconds=timeout)
     kwargs = {}
     if "nccl" in backend or "cuda" in backend:
-        torch.cuda.set_device(p.local_rank)
+        index = local_cuda_index(p.local_rank)
+        torch.cuda.set_device(index)
         if "nccl" in backend and "device_id" in inspect.signature(dist.init_process_group).parameters:
-            kwargs["device_id"] = torch.device("cuda", p.local_rank)
+            kwargs["device_id"] = torch.device("cuda", index)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun restarts reuse the agent's store: without a per-attempt prefix, a restarted rank can read
         # the dead attempt's gloo addresses and fail with "connection refused"

@@ -1,6 +1,8 @@
-"""Checkpoint round trips on the device, mid-AB-phase and mid-overlap (a sync in flight), with dropout: a
-resumed run is bit-exact only if the CUDA RNG (dropout masks) and every tensor the state holds come back on
-the device."""
+"""Checkpoint round trips on the device over NCCL (2 ranks on the one GPU), mid-AB-phase and mid-overlap (a sync
+in flight), with dropout: the checkpoint is loaded into a fresh model, optimizer and state, with the RNGs moved
+on, and the resumed run must end bit-exact with the uninterrupted one: only if the CUDA RNG (dropout masks) and
+every tensor the state holds come back on the device.  The commit itself now waits on the host for every
+rank's file (an NCCL barrier alone does not hold the host)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 
 import commhooks
 from tests.dist import run_ranks
-from tests.gpu.common import ENV, TARGET, batch, ddp, deterministic, local_device, model, record
+from tests.gpu.common import ENV, TARGET, batch, ddp, deterministic, local_device, model, rank_env, record
 
 CASES = {
     "ab-mid-phase": ({"type": "ab", "warmup_steps": 2, "sync_period": 6, "full_rank_steps": 1, "group_size": 1,
@@ -60,12 +62,16 @@ def _round_trip(rank, world, conf, save_at, directory):
     return {"in_flight": in_flight, "phase": phase, "max_abs_diff": worst, "device": str(device)}
 
 
+def _env(rank):
+    return {**ENV, **rank_env(rank)}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_checkpoint_round_trip_on_the_device_is_exact(case):
     conf, save_at = CASES[case]
     with tempfile.TemporaryDirectory() as d:
-        results = run_ranks(_round_trip, 2, timeout=300, backend=TARGET.backend, env=ENV, conf=conf,
-                            save_at=save_at, directory=d)
+        results = run_ranks(_round_trip, 2, timeout=240, backend=TARGET.backend, env=_env,
+                            device_id=TARGET.device_id, conf=conf, save_at=save_at, directory=d)
     for r in results:
         assert r["max_abs_diff"] == 0.0, r
     if case == "qsr-mid-overlap":

@@ -1,6 +1,6 @@
 """Peak device memory per feature on a model of about 1B parameters (bf16 weights, SGD without momentum so
 the optimizer keeps nothing): the extra memory a sync feature costs, measured by the CUDA allocator, against
-what ``state.report()["memory_bytes"]`` states.  One rank (``cuda:gloo``): the buffers are the same as on many
+what ``state.report()["memory_bytes"]`` states.  One rank (NCCL): the buffers are the same as on many
 ranks, except the gathered payloads of a compressed sync in flight (world x payload), which are stated, not
 measured here.  CPU mode: a small model, the stated figures only."""
 
@@ -51,8 +51,8 @@ def _measure(rank, world, width, layers):
             net(x).float().pow(2).mean().backward()
             opt.step()
         stated = state.report()["memory_bytes"]
-        row = {"params": sum(p.numel() for p in net.parameters()), "stated_x_weights": round(stated["total"] / weights, 3),
-               "stated": stated}
+        row = {"params": sum(p.numel() for p in net.parameters()), "weight_bytes": weights,
+               "stated_x_weights": round(stated["total"] / weights, 3), "stated": stated}
         if on_cuda:
             torch.cuda.synchronize()
             row["kept_x_weights"] = round((torch.cuda.memory_allocated() - base) / weights, 3)
@@ -69,5 +69,10 @@ def test_memory_per_feature_on_a_1b_model():
     res, = run_ranks(_measure, 1, timeout=480, backend=TARGET.backend, width=width, layers=layers)
     for name, row in res.items():
         if "kept_x_weights" in row:  # what stays allocated after the steps: the gradients (1x) and what the state keeps
-            assert abs(row["kept_x_weights"] - 1.0 - row["stated_x_weights"]) < 0.05, (name, row)
+            # a one-rank group gathers nothing: of a compressed sync in flight (stated for the group it would
+            # have), it holds at most the stated bytes, and any part of them; the rest must match to 5 %
+            in_flight = row["stated"].get("in_flight", 0) / row["weight_bytes"]
+            held = row["kept_x_weights"] - 1.0 - (row["stated_x_weights"] - in_flight)
+            assert -0.05 < held < in_flight + 0.05, (name, row, held)
+            row["in_flight_held_x_weights"] = round(held, 3)
     record("memory per feature (x bf16 weight bytes)", res)

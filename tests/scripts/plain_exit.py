@@ -1,13 +1,15 @@
 """A user's plain script: no commhooks.launch.shutdown(), no destroy_process_group(); run by tests/test_run_end.py
 under torchrun many times: it must exit 0 every time (gloo's teardown aborted such scripts, rc 134, before the
 library arranged its own)."""
-import os, torch, torch.distributed as dist, torch.nn.functional as F
+import inspect, os, torch, torch.distributed as dist, torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 import commhooks
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
-net = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)), forward_sync_buffers=False)
+no_buffer_sync = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters  # torch 2.13
+                  else "broadcast_buffers": False}                                                  # torch 2.11
+net = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)), **no_buffer_sync)
 opt = torch.optim.SGD(net.parameters(), lr=0.1)
 conf = {"type": os.environ.get("ALGO", "ab"), "total_steps": 12}
 if conf["type"] == "ab":

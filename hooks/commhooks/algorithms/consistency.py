@@ -209,7 +209,9 @@ class NonfiniteGuard:
             first = torch.full((len(self.names),), -1, dtype=torch.int64, device=device)
             self.first = first if self.first is None else self.first.to(device)
         key = tuple(positions)
-        if key not in self._index:  # made once per set of parameters with gradients (usually once)
+        if len(key) == len(self.names) and key == tuple(range(len(key))):  # the usual case: every parameter, in
+            return ~torch.isfinite(_max_abs(grads))                          # order; no index (a host-to-device copy)
+        if key not in self._index:  # made once per set of parameters with gradients
             self._index[key] = torch.tensor(key, dtype=torch.int64, device=device)
         bad = torch.zeros(len(self.names), dtype=torch.bool, device=device)
         bad[self._index[key]] = ~torch.isfinite(_max_abs(grads))

@@ -189,12 +189,29 @@ class Comm:
         self.rank = rank
         self.size = size
         self.timeout_s = timeout_s  # None: the backend's own default
-        # where control tensors are made: the synced tensors' device (set by the state); None: the backend's default
-        self.device = torch.device(device) if device is not None else self._default_device()
+        self._device: Optional[torch.device] = None if device is None else torch.device(device)
         self.meter = Meter()
         self._key: Optional[str] = None  # see keyed()
         self.world = Group("world", tuple(range(size)), handle=self._world_handle())
         self._groups: Dict[Tuple[int, ...], Group] = {self.world.ranks: self.world}
+
+    @property
+    def device(self) -> torch.device:
+        """Where control tensors (barriers, agreements, step proofs) are made: the synced tensors' device.
+
+        A state sets it to its parameters' device.  A Comm used on its own takes the device of the first tensors
+        it is handed; before that, the backend's default.  (Not ``torch.cuda.current_device()`` for good: that
+        is ``cuda:0`` on every rank that never called ``set_device``, and an NCCL group then pairs every rank's
+        control tensor with GPU 0.)"""
+        return self._device if self._device is not None else self._default_device()
+
+    @device.setter
+    def device(self, value) -> None:
+        self._device = None if value is None else torch.device(value)
+
+    def _adopt_device(self, tensors: Sequence[torch.Tensor]) -> None:
+        if self._device is None and tensors:
+            self._device = tensors[0].device
 
     # ---- backend primitives -------------------------------------------------
     def _world_handle(self) -> Any:
@@ -296,6 +313,7 @@ class Comm:
         key = self._key if key is None else key
         group = group or self.world
         tensors = list(tensors)
+        self._adopt_device(tensors)
         if not tensors or group.size == 1:  # nothing to send: the mean of one is itself, no copy
             return Work(lambda: tensors) if async_op else tensors
         flat = flatten(tensors)
@@ -346,6 +364,7 @@ class Comm:
         """Broadcast ``tensors`` from global rank ``src`` to ``group``, in place."""
         group = group or self.world
         tensors = list(tensors)
+        self._adopt_device(tensors)
         if not tensors or group.size == 1:
             return tensors
         flat = flatten(tensors)
@@ -368,6 +387,7 @@ class Comm:
         ``async_op``: a :class:`Work` whose ``wait()`` returns the list (the link works while you compute).
         """
         group = group or self.world
+        self._adopt_device([tensor])
         if group.size == 1:
             return Work(lambda: [tensor]) if async_op else [tensor]
         return self._exchange("allgather", self._allgather_flat, tensor, group, tag, metered, async_op,
@@ -383,6 +403,7 @@ class Comm:
         counts ``all_to_all_single``.  ``async_op``: a :class:`Work` whose ``wait()`` returns the list.
         """
         group = group or self.world
+        self._adopt_device([tensor])
         if tensor.numel() % group.size:
             raise ValueError(f"alltoall '{tag}': {tensor.numel()} elements do not split into {group.size} equal pieces")
         if group.size == 1:
@@ -418,5 +439,11 @@ class Comm:
         """Tell a ``torch.distributed`` Join context that this rank still trains (no-op for other backends)."""
 
     def barrier(self, group: Optional[Group] = None) -> None:
-        """Wait for every rank of ``group`` (an unmetered one-element allreduce on :attr:`device`, with the timeout)."""
-        self.allreduce([torch.zeros(1, device=self.device)], op="sum", group=group, tag="barrier", metered=False)
+        """Wait, on the host, for every rank of ``group``: an unmetered one-element allreduce on :attr:`device`
+        (with the timeout), then its result read on the host.  The read matters under NCCL, where waiting on
+        the work only orders the GPU stream and the host would go on before the others arrive; like
+        ``torch.distributed.barrier``, this one holds the host.  One host read: for checkpoints and set-up,
+        never a training step."""
+        flag = torch.zeros(1, device=self.device)
+        self.allreduce([flag], op="sum", group=group, tag="barrier", metered=False)
+        flag.tolist()

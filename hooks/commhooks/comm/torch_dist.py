@@ -99,7 +99,8 @@ class TorchComm(Comm):
         return self.process_group
 
     def _default_device(self) -> torch.device:
-        """The CPU if the group takes CPU tensors (gloo, or ``cpu:gloo,cuda:nccl``), else the current CUDA device."""
+        """The CPU if the group takes CPU tensors (gloo, or ``cpu:gloo,cuda:nccl``), else the current CUDA device
+        (until the first tensors handed to this Comm name theirs: :attr:`Comm.device`)."""
         if backend_name(self.process_group, torch.device("cpu")) is not None or not torch.cuda.is_available():
             return torch.device("cpu")
         return torch.device("cuda", torch.cuda.current_device())

@@ -33,7 +33,7 @@ from .. import registry
 from ..checkpoint import load_checkpoint, save_checkpoint
 from .anchors import ANCHORS, register_anchor
 from ..algorithms.base import AlgorithmState
-from ..launch import LaunchError, init_distributed, shutdown
+from ..launch import LaunchError, init_distributed, local_cuda_index, shutdown
 from .measure import PayloadCounter, iface_bytes
 from .workloads import WORKLOADS, build_workload
 
@@ -278,7 +278,7 @@ def start(args):
 
         hvd = hvd_adapter.init(resolve_hook(args))  # static process sets for the AB groups
         if args.device == "cuda":
-            torch.cuda.set_device(hvd.local_rank())
+            torch.cuda.set_device(local_cuda_index(hvd.local_rank()))
         return hvd.rank(), hvd.size(), (lambda t: hvd.allreduce(t, op=hvd.Average, name="metric")), hvd.shutdown
     info = init_distributed(backend=None if args.device == "cuda" else "gloo")
     world = info["world_size"]
