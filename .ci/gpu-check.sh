@@ -19,11 +19,19 @@ cd "$(dirname "$0")/.."
 OUT=${1:-${GPU_CHECK_OUT:-results/gpu-check/$(date +%F)}}
 BUNDLE=${GPU_BUNDLE:-.cache/gpu-bundle}
 SITE=${GPU_SITE:-.cache/gpu-site}
+case $BUNDLE in /*) ;; *) BUNDLE=$PWD/$BUNDLE ;; esac
+case $SITE in /*) ;; *) SITE=$PWD/$SITE ;; esac
 # file: seconds (their sum is the worst case); GPU_CHECK_FILES="a.py b.py" runs only those
 LIMITS="test_gpu_nccl.py:60 test_gpu_ranks.py:150 test_gpu_checkpoint.py:60 test_gpu_syncs.py:45 test_gpu_memory.py:60 test_gpu_deepspeed.py:75"
 if [ -n "${GPU_CHECK_FILES:-}" ]; then
-    LIMITS=$(for e in $LIMITS; do case " $GPU_CHECK_FILES " in *" ${e%%:*} "*) echo -n "$e ";; esac; done)
-    [ -n "$LIMITS" ] || { echo "gpu-check: GPU_CHECK_FILES=$GPU_CHECK_FILES names no file of tests/gpu" >&2; exit 2; }
+    chosen=""
+    for f in $GPU_CHECK_FILES; do
+        f=$(basename "$f")
+        e=$(for e in $LIMITS; do [ "${e%%:*}" = "$f" ] && echo "$e"; done)
+        [ -n "$e" ] || { echo "gpu-check: GPU_CHECK_FILES names $f, not a file of tests/gpu (${LIMITS//:[0-9]*/})" >&2; exit 2; }
+        chosen="$chosen $e"
+    done
+    LIMITS=$chosen
 fi
 
 has_cuda() { "$1" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; }
@@ -38,6 +46,7 @@ fi
 mkdir -p "$OUT/logs" "$OUT/junit"
 OUT=$(cd "$OUT" && pwd)
 export GPU_CHECK_OUT="$OUT"
+rm -f "$OUT"/junit/*.xml "$OUT"/logs/*.rc "$OUT/gpu-check.jsonl" "$OUT/summary.json" "$OUT/summary.md"  # this run's only
 
 "$PY" - "$OUT/versions.json" <<'PY'
 import json, platform, sys
@@ -80,8 +89,14 @@ if [ -n "$lacking" ]; then
     fi
     echo "gpu-check: installing the bundle ($(ls "$BUNDLE"/*.whl | wc -l) wheels) into $SITE for: $lacking"
     rm -rf "$SITE"
-    if ! "$PY" -m pip install -q --no-index --no-deps --disable-pip-version-check --target "$SITE" "$BUNDLE"/*.whl \
-            > "$OUT/logs/bundle-install.log" 2>&1; then
+    if "$PY" -m pip --version >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --disable-pip-version-check --target "$SITE" "$BUNDLE"/*.whl \
+            > "$OUT/logs/bundle-install.log" 2>&1
+    else  # no pip: a wheel is a zip of what goes into site-packages
+        "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' \
+            "$SITE" "$BUNDLE"/*.whl > "$OUT/logs/bundle-install.log" 2>&1
+    fi
+    if [ $? -ne 0 ]; then
         echo "gpu-check: installing the bundle failed:" >&2; tail -5 "$OUT/logs/bundle-install.log" >&2; exit 2
     fi
     lacking=$(missing)
@@ -90,7 +105,7 @@ if [ -n "$lacking" ]; then
         exit 2
     fi
 fi
-export PYTHONPATH="$PWD/$SITE:$PWD/hooks:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE:$PWD/hooks:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
 
@@ -123,12 +138,14 @@ for file, limit in limits.items():
     rc, seconds = (out / "logs" / f"{name}.rc").read_text().split()
     row = {"rc": int(rc), "seconds": int(seconds), "limit": int(limit), "timed_out": rc in ("124", "137")}
     junit = out / "junit" / f"{name}.xml"
-    if junit.is_file():
+    try:  # none, or cut short, when the file timed out
         suite = ET.parse(junit).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
         total, fail, err, skip = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
         row.update(passed=total - fail - err - skip, failed=fail + err, skipped=skip,
                    skip_reasons=sorted({s.get("message", "") for s in suite.iter("skipped")}))
+    except (OSError, ET.ParseError) as exc:
+        row.update(passed=None, failed=None, skipped=None, report=f"no JUnit report ({type(exc).__name__})")
     files[file] = row
 figures = []
 jsonl = out / "gpu-check.jsonl"
@@ -143,5 +160,6 @@ for file, r in files.items():
 (out / "summary.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
+[ $? -eq 0 ] || { echo "gpu-check: the summary could not be written" >&2; status=1; }
 echo "gpu-check: summary in $OUT/summary.json and $OUT/summary.md"
 exit $status

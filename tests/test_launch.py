@@ -262,12 +262,17 @@ def test_launcher_horovodrun():
     assert proc.stdout.count("[commhooks] ab: test_acc=") == 1 and "ranks=2" in proc.stdout
 
 
-def test_each_rank_finds_its_gpu_whether_it_sees_one_or_all():
+def test_each_rank_finds_its_gpu_whether_it_sees_one_or_all(monkeypatch):
     from commhooks.launch import local_cuda_index
 
     assert [local_cuda_index(r, visible=4) for r in range(4)] == [0, 1, 2, 3]  # a node's GPUs, one per rank
-    assert [local_cuda_index(r, visible=1) for r in range(4)] == [0, 0, 0, 0]  # srun --gpus-per-task=1
+    assert [local_cuda_index(r, visible=1, local_world_size=1) for r in range(4)] == [0, 0, 0, 0]  # one per node
     with pytest.raises(LaunchError, match=r"LOCAL_RANK 3 and this process sees 2 GPUs .*gpus-per-task"):
         local_cuda_index(3, visible=2)
     with pytest.raises(LaunchError, match=r"LOCAL_RANK 0 asks for a GPU, and this process sees none"):
         local_cuda_index(0, visible=0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # one GPU for 4 ranks of a one-GPU machine
+    with pytest.raises(LaunchError, match=r"LOCAL_WORLD_SIZE 4 ranks on a node .* NCCL refuses two ranks"):
+        local_cuda_index(1, visible=1, local_world_size=4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")  # one GPU per task
+    assert local_cuda_index(1, visible=1, local_world_size=4) == 0

@@ -140,6 +140,20 @@ def _commit_with_late_files(rank, world, ckdir, delay):
             if t is not None:
                 t.join()
     seen["latest_after_refusal"] = commhooks.latest_checkpoint(ckdir).name
+    # a rank whose write fails (a full disk): every rank raises at once, nobody waits for the timeout
+    import commhooks.checkpoint as ck
+
+    real_save = ck._atomic_save
+    if rank == 1:
+        ck._atomic_save = lambda obj, path: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    try:
+        started = time.monotonic()
+        commhooks.save_checkpoint(ckdir, net, opt, state, sched)
+        seen["unwritten"] = None
+    except commhooks.CheckpointError as exc:
+        seen["unwritten"], seen["unwritten_after_s"] = str(exc), time.monotonic() - started
+    finally:
+        ck._atomic_save = real_save
     net2, opt2, sched2, state2 = build("qsr")
     seen["resumed_step"] = commhooks.load_checkpoint(ckdir, net2, opt2, state2, sched2)["step"]
     return seen
@@ -155,6 +169,10 @@ def test_the_commit_waits_for_every_rank_file_and_refuses_one_that_never_lands(t
         assert r["refused"] and "was not committed" in r["refused"] and "commit_timeout_s" in r["refused"], r
         assert r["latest_after_refusal"] == "step-00000002" and r["resumed_step"] == 2, r
     assert "rank1.pt (absent, rank 1 wrote" in r0["refused"], r0["refused"]
+    for r in (r0, r1):  # a failed write: refused on every rank, the file's rank named (not a timeout: seconds)
+        assert r["unwritten"] and "was not written by rank(s) [1]" in r["unwritten"], r
+        assert r["unwritten_after_s"] < 30, r  # collective timeout 60 s: an answer, not a hang
+    assert "No space left on device" in r1["unwritten"], r1
 
 
 # --------------------------------------------------------------------------

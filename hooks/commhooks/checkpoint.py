@@ -135,11 +135,23 @@ def _atomic_save(obj, path: Path) -> int:
     return _durable_write(path, lambda fd: torch.save(obj, fd))
 
 
-def _sizes_on_every_rank(state, model, rank: int, world: int, size: int) -> List[int]:
-    """Every rank's file size, read on the host: returns only once every rank has written its file."""
-    sizes = torch.zeros(world, dtype=torch.float64, device=_device(state, model))
-    sizes[rank] = float(size)
-    return [int(v) for v in _allreduce_max(state, sizes).tolist()]
+def _sizes_on_every_rank(state, model, rank: int, world: int, size: Optional[int]) -> Tuple[List[int], List[int]]:
+    """Every rank's file size (``None``: this rank could not write), read on the host: returns only once every
+    rank has written its file (or failed to).  Returns (sizes, the ranks that failed)."""
+    values = torch.zeros(2 * world, dtype=torch.float64, device=_device(state, model))
+    if size is None:
+        values[world + rank] = 1.0
+    else:
+        values[rank] = float(size)
+    values = [int(v) for v in _allreduce_max(state, values).tolist()]
+    return values[:world], [r for r in range(world) if values[world + r]]
+
+
+def _commit_wait(state, commit_timeout_s: float) -> float:
+    """How long rank 0 may look for the files: ``commit_timeout_s``, but at most half the collective timeout the
+    other ranks wait with meanwhile (gloo's, which raises), so they never give up on a commit rank 0 makes."""
+    limit = getattr(getattr(state, "comm", None), "timeout_s", None)
+    return commit_timeout_s if not limit else min(commit_timeout_s, limit / 2)
 
 
 def _wait_until_visible(folder: Path, sizes: List[int], timeout_s: float) -> str:
@@ -149,7 +161,10 @@ def _wait_until_visible(folder: Path, sizes: List[int], timeout_s: float) -> str
         missing = []
         for r, size in enumerate(sizes):
             path = folder / f"rank{r}.pt"
-            seen = path.stat().st_size if path.is_file() else None
+            try:
+                seen = path.stat().st_size
+            except OSError:
+                seen = None
             if seen != size:
                 missing.append(f"{path} ({'absent' if seen is None else f'{seen} bytes'}, rank {r} wrote {size})")
         if not missing or time.monotonic() > deadline:
@@ -173,7 +188,8 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
     (returns None otherwise): such a checkpoint also resumes on another number
     of ranks.  ``commit_timeout_s``: how long rank 0 waits to see every rank's
     file before it gives up on this checkpoint (raising on every rank); raise
-    it for a shared filesystem that shows other nodes' files late.
+    it for a shared filesystem that shows other nodes' files late (it is capped at half the
+    hook's collective timeout, which the other ranks wait with meanwhile).
     """
     if step is None:
         if state is None:
@@ -201,32 +217,44 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
     folder = root / f"step-{step:08d}"
     folder.mkdir(parents=True, exist_ok=True)
     module = getattr(model, "module", model)
-    size = _atomic_save({
-        "version": __version__,
-        "step": step,
-        "rank": rank,
-        "world_size": world,
-        "synced": synced,
-        "model": module.state_dict(),
-        "optimizer": [o.state_dict() for o in optimizer] if isinstance(optimizer, (list, tuple)) else
-        optimizer.state_dict(),
-        "hook": None if state is None else state.state_dict(),
-        "scheduler": None if scheduler is None else scheduler.state_dict(),
-        "rng": torch.get_rng_state(),
-        "cuda_rng": _cuda_rng_state(model),
-        "extra": extra,
-    }, folder / f"rank{rank}.pt")
-    sizes = _sizes_on_every_rank(state, model, rank, world, size)  # on the host: every rank has written
+    wrote = ""
+    try:  # a rank that cannot write says so in the size exchange: every rank then raises, none waits
+        size = _atomic_save({
+            "version": __version__,
+            "step": step,
+            "rank": rank,
+            "world_size": world,
+            "synced": synced,
+            "model": module.state_dict(),
+            "optimizer": [o.state_dict() for o in optimizer] if isinstance(optimizer, (list, tuple)) else
+            optimizer.state_dict(),
+            "hook": None if state is None else state.state_dict(),
+            "scheduler": None if scheduler is None else scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": _cuda_rng_state(model),
+            "extra": extra,
+        }, folder / f"rank{rank}.pt")
+    except Exception as exc:  # noqa: BLE001 - any failure to write: a full disk, an unpicklable `extra`
+        size, wrote = None, f"{type(exc).__name__}: {exc}"
+    sizes, unwritten = _sizes_on_every_rank(state, model, rank, world, size)  # on the host: every rank has written
+    if unwritten:
+        raise CheckpointError(
+            f"checkpoint {folder} was not written by rank(s) {unwritten} (the previous one stays the latest)"
+            + (f"; this rank: {wrote}" if wrote else ""))
     missing = ""
     if rank == 0:
-        missing = _wait_until_visible(folder, sizes, commit_timeout_s)
-        if not missing:
-            manifest = {"step": step, "world_size": world, "synced": synced, "version": __version__, "sizes": sizes}
-            _durable_write(folder / MANIFEST, lambda fd: fd.write(json.dumps(manifest).encode()))
-            _durable_write(root / "latest", lambda fd: fd.write(folder.name.encode()))
-            complete = [p for p in _complete_folders(root)]
-            for old in complete[keep:] if keep > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
+        try:
+            missing = _wait_until_visible(folder, sizes, _commit_wait(state, commit_timeout_s))
+            if not missing:
+                manifest = {"step": step, "world_size": world, "synced": synced, "version": __version__,
+                            "sizes": sizes}
+                _durable_write(folder / MANIFEST, lambda fd: fd.write(json.dumps(manifest).encode()))
+                _durable_write(root / "latest", lambda fd: fd.write(folder.name.encode()))
+                complete = [p for p in _complete_folders(root)]
+                for old in complete[keep:] if keep > 0 else []:
+                    shutil.rmtree(old, ignore_errors=True)
+        except OSError as exc:
+            missing = f"rank 0 could not write the manifest or `latest` ({type(exc).__name__}: {exc})"
     failed = torch.tensor([1.0 if missing else 0.0], dtype=torch.float64, device=_device(state, model))
     if _allreduce_max(state, failed).tolist()[0]:  # on the host: rank 0 has committed, or given up
         raise CheckpointError(

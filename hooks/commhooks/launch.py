@@ -252,17 +252,25 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
-def local_cuda_index(local_rank: int, visible: Optional[int] = None) -> int:
+def local_cuda_index(local_rank: int, visible: Optional[int] = None, local_world_size: int = 1) -> int:
     """The CUDA device index this process uses: ``local_rank`` where the process sees every GPU of its node,
     and 0 where it sees one (``srun --gpus-per-task=1``, ``--gpu-bind``, wrappers that set
     ``CUDA_VISIBLE_DEVICES`` per task): there ``cuda:LOCAL_RANK`` does not exist.  ``visible`` defaults to
     ``torch.cuda.device_count()``.  Fewer visible GPUs than this local rank needs, but more than one, is
-    ambiguous (two ranks would share a GPU, which NCCL refuses): a :class:`LaunchError` naming both."""
+    ambiguous (two ranks would share a GPU, which NCCL refuses): a :class:`LaunchError` naming both.  So is one
+    GPU for several ranks of a node with no ``CUDA_VISIBLE_DEVICES`` set (a one-GPU machine, not one GPU per
+    task): NCCL would stop them later with "Duplicate GPU detected"."""
     visible = torch.cuda.device_count() if visible is None else visible
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible < 1:
         raise LaunchError(f"LOCAL_RANK {local_rank} asks for a GPU, and this process sees none "
-                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+                          f"(CUDA_VISIBLE_DEVICES={shown if shown is not None else '<unset>'})")
     if visible == 1:
+        if local_world_size > 1 and shown is None:
+            raise LaunchError(
+                f"LOCAL_WORLD_SIZE {local_world_size} ranks on a node whose processes all see the same one GPU "
+                "(CUDA_VISIBLE_DEVICES is unset): NCCL refuses two ranks on one GPU; start one rank per GPU, or "
+                "give each task its own (srun --gpus-per-task=1)")
         return 0
     if local_rank < visible:
         return local_rank
@@ -323,7 +331,7 @@ def init_distributed(backend: Optional[str] = None, timeout: float = 300.0) -> d
     td = datetime.timedelta(seconds=timeout)
     kwargs = {}
     if "nccl" in backend or "cuda" in backend:
-        index = local_cuda_index(p.local_rank)
+        index = local_cuda_index(p.local_rank, local_world_size=p.local_world_size)
         torch.cuda.set_device(index)
         if "nccl" in backend and "device_id" in inspect.signature(dist.init_process_group).parameters:
             kwargs["device_id"] = torch.device("cuda", index)

@@ -67,6 +67,34 @@ def rank_env(rank: int) -> dict:
     return {**nccl_one_gpu_env(rank), **ENV}
 
 
+OUT = Path(os.environ.get("GPU_CHECK_OUT", "results/gpu-check"))
+
+
+def record(name: str, figures: dict) -> None:
+    """Append one check's figures to ``$GPU_CHECK_OUT/gpu-check.jsonl`` (and print them)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    row = {"check": name, "when": datetime.datetime.now().isoformat(timespec="seconds"),
+           "target": TARGET.describe if TARGET else None, **figures}
+    with open(OUT / "gpu-check.jsonl", "a") as fd:
+        fd.write(json.dumps(row) + "\n")
+    print(f"\n[gpu-check] {name}: {json.dumps(figures)}", flush=True)
+
+
+def model(dropout: float = 0.0, batchnorm: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(12, 32), *([nn.BatchNorm1d(32)] if batchnorm else []), nn.ReLU()]
+    if dropout:
+        layers.append(nn.Dropout(dropout))
+    return nn.Sequential(*layers, nn.Linear(32, 24), nn.ReLU(), nn.Linear(24, 3))
+
+
+def batch(step: int, rank: int, device):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(16, 12, generator=g, device="cpu")
+    y = torch.randint(0, 3, (16,), generator=g, device="cpu")
+    return x.to(device), y.to(device)
+
+
 def local_device() -> torch.device:
     """The rank's device: every rank on cuda:0 (one lent GPU), or the CPU in CPU mode."""
     if TARGET is not None and TARGET.device == "cuda":

@@ -1,7 +1,7 @@
 """``make gpu-check``: the checks only a CUDA GPU can run (tests/gpu/README.md says what each shows).
 
 Where CUDA is absent every test here is skipped, and the reason is printed.  ``COMMHOOKS_GPU_CHECK_ON_CPU=1``
-runs the same checks on the CPU (gloo instead of ``cuda:gloo``, small sizes, no NCCL): that is how the check
+runs the same checks on the CPU (gloo instead of NCCL, small sizes): that is how the check
 itself is developed and kept working on machines without a GPU; it proves nothing about GPUs.
 """
 

@@ -63,7 +63,7 @@ def _round_trip(rank, world, conf, save_at, directory):
 
 
 def _env(rank):
-    return {**ENV, **rank_env(rank)}
+    return {**ENV, **rank_env(rank)}  # cuBLAS's deterministic mode in CPU mode too (rank_env adds it on CUDA)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -1,6 +1,7 @@
 """DeepSpeed on the device: fp16 at ZeRO 0 with DeepSpeed's own Adam (FusedAdam inside FP16_Optimizer, one flat
 fp32 master per group: the adapter's flat refresh path, which no CPU run reaches; DeepSpeed compiles FusedAdam
-at first use, so where the host has no nvcc it runs torch's Adam instead, and the record names the optimizer)
+at first use, with nvcc, which takes a minute or more of a borrowed host's budget, so only with
+COMMHOOKS_GPU_CHECK_FUSED_ADAM=1; otherwise torch's Adam, and the record names the optimizer)
 and bf16 at ZeRO 2, each with a QSR comm_hook: after the run's last sync the low-precision weights equal their
 fp32 masters.  CPU mode: bf16 at ZeRO 2 only (DeepSpeed's CPU accelerator); fp16 is reported as skipped with
 that reason, here and in the CPU suite."""
@@ -44,7 +45,8 @@ def _engine(rank, world, name):
     device = local_device()
     ds = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
           "comm_hook": {"type": "qsr", "h_base": 2, "total_steps": 6}, **CONFIGS[name]}
-    if "optimizer" in ds and not _can_compile_ops():  # FusedAdam is compiled at first use: nvcc or no FusedAdam
+    if "optimizer" in ds and not (os.environ.get("COMMHOOKS_GPU_CHECK_FUSED_ADAM") == "1" and _can_compile_ops()):
+        # FusedAdam is compiled at first use (nvcc, a minute or more): only when asked for, the budget allowing
         ds["optimizer"] = {**ds["optimizer"], "params": {**ds["optimizer"]["params"], "torch_adam": True}}
     net = model(batchnorm=False)  # DeepSpeed's half-precision engines convert buffers too: keep it plain
     kwargs = {} if "optimizer" in ds else {"optimizer": torch.optim.SGD(net.parameters(), lr=0.05)}

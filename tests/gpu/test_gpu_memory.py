@@ -37,7 +37,8 @@ def _measure(rank, world, width, layers):
     on_cuda = device.type == "cuda"
     out = {}
     for name, conf in FEATURES.items():
-        net = _big(width, layers).to(device=device, dtype=torch.bfloat16)
+        with torch.device(device):  # made on the device: six 1 B-parameter models built on the host take minutes
+            net = _big(width, layers).to(dtype=torch.bfloat16)
         weights = sum(p.numel() * p.element_size() for p in net.parameters())
         opt = torch.optim.SGD(net.parameters(), lr=1e-4)
         x = torch.randn(4, width, device=device, dtype=torch.bfloat16)

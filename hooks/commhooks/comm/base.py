@@ -444,6 +444,8 @@ class Comm:
         the work only orders the GPU stream and the host would go on before the others arrive; like
         ``torch.distributed.barrier``, this one holds the host.  One host read: for checkpoints and set-up,
         never a training step."""
+        chosen = self._device
         flag = torch.zeros(1, device=self.device)
         self.allreduce([flag], op="sum", group=group, tag="barrier", metered=False)
+        self._device = chosen  # a control tensor names no device for the synced tensors
         flag.tolist()

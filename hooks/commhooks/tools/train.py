@@ -278,7 +278,7 @@ def start(args):
 
         hvd = hvd_adapter.init(resolve_hook(args))  # static process sets for the AB groups
         if args.device == "cuda":
-            torch.cuda.set_device(local_cuda_index(hvd.local_rank()))
+            torch.cuda.set_device(local_cuda_index(hvd.local_rank(), local_world_size=hvd.local_size()))
         return hvd.rank(), hvd.size(), (lambda t: hvd.allreduce(t, op=hvd.Average, name="metric")), hvd.shutdown
     info = init_distributed(backend=None if args.device == "cuda" else "gloo")
     world = info["world_size"]
