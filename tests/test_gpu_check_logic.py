@@ -112,12 +112,18 @@ def test_a_python_lacking_packages_is_told_which_then_served_from_the_bundle(tmp
 
 def _host_packages() -> set:
     """The host's list (docs/pages/operations/gpus.md, between its markers), with the dependencies each of them
-    declares, as this machine's installed metadata tells (the host installed them with theirs)."""
+    declares, as this machine's installed metadata tells (the host installed them with theirs), less what the page
+    says the host was seen to lack (this machine's versions may depend on more than the host's)."""
     from importlib import metadata
 
     text = GPUS_PAGE.read_text()
-    block = text.split("<!-- host-packages -->")[1].split("<!-- /host-packages -->")[0]
-    named = {_norm(m.group(1)) for m in re.finditer(r"`([A-Za-z0-9_.-]+)", block)}
+
+    def block(name):
+        inside = text.split(f"<!-- {name} -->")[1].split(f"<!-- /{name} -->")[0]
+        return {_norm(m.group(1)) for m in re.finditer(r"`([A-Za-z0-9_.-]+)", inside)}
+
+    named, lacks = block("host-packages"), block("host-lacks")
+    assert {"pydantic", "deepspeed"} <= lacks, lacks
     assert {"torch", "pytest", "pytest-timeout"} <= named, named
     closure, todo = set(), list(named)
     while todo:
@@ -133,7 +139,7 @@ def _host_packages() -> set:
             if "extra ==" in req:
                 continue
             todo.append(_norm(re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0]))
-    return closure
+    return closure - lacks
 
 
 IMPORTS = r"""
