@@ -29,4 +29,4 @@ with state:                                                                     
 # --8<-- [end:accelerate]
 
 print(f"rank {accelerator.process_index}: checksum {sum(float(p.detach().double().sum()) for p in model.parameters()):.10f}"
-      f", {state.step} steps, {state.syncs} syncs", flush=True)
+      f", {state.step} steps, {state.syncs} syncs, {state.report()['bytes_vs_allreduce']:.1%} of DDP's bytes", flush=True)

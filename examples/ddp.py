@@ -59,5 +59,5 @@ with state:                                                    # commhooks: the 
 # --8<-- [end:ddp]
 
 print(f"rank {rank}: checksum {sum(float(p.detach().double().sum()) for p in model.parameters()):.10f}, "
-      f"{state.report()['syncs']} syncs, {state.report()['bytes_vs_allreduce']:.1%} of DDP's bytes", flush=True)
+      f"{state.step} steps, {state.syncs} syncs, {state.report()['bytes_vs_allreduce']:.1%} of DDP's bytes", flush=True)
 dist.destroy_process_group()

@@ -33,4 +33,4 @@ with engine.comm_hook_state:                                               # com
 
 state = engine.comm_hook_state
 print(f"rank {engine.global_rank}: checksum {sum(float(p.detach().double().sum()) for p in model.parameters()):.6f}, "
-      f"{state.step} steps, {state.syncs} syncs", flush=True)
+      f"{state.step} steps, {state.syncs} syncs, {state.report()['bytes_vs_allreduce']:.1%} of DDP's bytes", flush=True)

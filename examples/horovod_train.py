@@ -32,5 +32,5 @@ optimizer.comm_hook_state.finish()                                # commhooks: t
 
 state = optimizer.comm_hook_state
 print(f"rank {hvd.rank()}: checksum {sum(float(p.detach().double().sum()) for p in model.parameters()):.10f}, "
-      f"{state.step} steps, {state.syncs} syncs", flush=True)
+      f"{state.step} steps, {state.syncs} syncs, {state.report()['bytes_vs_allreduce']:.1%} of DDP's bytes", flush=True)
 hvd.shutdown()

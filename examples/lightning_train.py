@@ -36,4 +36,5 @@ trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=16))
 # --8<-- [end:lightning]
 
 print(f"rank {trainer.global_rank}: checksum {sum(float(p.detach().double().sum()) for p in model.parameters()):.10f}"
-      f", {hook.state.step} steps, {hook.state.syncs} syncs", flush=True)
+      f", {hook.state.step} steps, {hook.state.syncs} syncs, {hook.state.report()['bytes_vs_allreduce']:.1%} of DDP's bytes",
+      flush=True)

@@ -33,4 +33,5 @@ trainer.train()
 # --8<-- [end:trainer]
 
 print(f"rank {int(os.environ.get('RANK', 0))}: checksum {sum(float(p.detach().double().sum()) for p in model.parameters()):.10f}"
-      f", {hook.state.step} steps, {hook.state.syncs} syncs", flush=True)
+      f", {hook.state.step} steps, {hook.state.syncs} syncs, {hook.state.report()['bytes_vs_allreduce']:.1%} of DDP's bytes",
+      flush=True)

@@ -261,13 +261,19 @@ def test_authors_first_entry_equals_explicit_factor_training():
 
 
 def _rank_agreement(rank, world):
+    """The ranks start equal (the state makes sure); their weights differ when the first basis is taken, one step
+    later (as after a phase in which the groups trained apart): each rank's spectrum gives another rank."""
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 20, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = commhooks.ABState(opt, model=model, warmup_steps=1, sync_period=5, full_rank_steps=1, mode="only-b",
+                              rank_cutoff=0.15, min_compression_rate=0.0)
     s = [10.0, 5.0, 1.0, 0.5, 0.2, 0.1] if rank == 0 else [10.0, 5.0, 2.0, 1.6, 0.2, 0.1]
     with torch.no_grad():
         model[0].weight.copy_(with_singular_values(20, 6, s, seed=rank))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = commhooks.ABState(opt, model=model, warmup_steps=0, sync_period=5, full_rank_steps=1, mode="only-b",
-                              rank_cutoff=0.15, min_compression_rate=0.0)
+    opt.zero_grad()
+    (0 * model(torch.ones(1, 6)).sum()).backward()  # a step that moves nothing: the basis comes after it
+    opt.step()
     b = state.bases["0.weight"]
     return state.ranks["0.weight"], b.a, b.b, state.meter.bytes(tag="basis"), model[0].weight.detach().clone()
 

@@ -421,3 +421,65 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
         assert not ran, "unpickling ran foreign code"
         assert message is not None and "rank0.pt" in message and "refused" in message, message
         assert "GLOBAL posix.system" in message and "weights_only=False" not in message, message
+
+
+def _starts(rank, world):
+    """States built by hand on a plain module (no DDP to broadcast the start), QSR and AB: a script that seeds no
+    model gives each rank its own weights and BatchNorm statistics."""
+    import warnings
+
+    out = {}
+    for name, conf in (("qsr", {"h_base": 2}), ("ab", {"warmup_steps": 2, "sync_period": 3, "full_rank_steps": 1, "group_size": 1}),
+                       ("qsr-seeded", {"h_base": 2})):
+        torch.manual_seed(0 if name.endswith("seeded") else 100 + rank)
+        net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+        net[1].running_mean.add_(0 if name.endswith("seeded") else rank)
+        before = {k: v.clone() for k, v in net.state_dict().items()}
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        cls = commhooks.ABState if name == "ab" else commhooks.QSRState
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = cls(opt, model=net, **conf)
+        out[name] = {"before": before, "after": {k: v.clone() for k, v in net.state_dict().items()},
+                     "warned": [str(w.message) for w in caught if "started from different weights" in str(w.message)],
+                     "bytes": state.meter.bytes()}
+    return out
+
+
+def test_ranks_that_start_apart_start_from_the_first_ranks_weights():
+    """Never a silent average of different starts: rank 0's weights and buffers are broadcast (as DDP's
+    constructor does), a warning says so on every rank; ranks that start equal cost no byte and no warning."""
+    r0, r1 = run_ranks(_starts, 2)
+    for name in ("qsr", "ab"):
+        assert any(not torch.equal(r0[name]["before"][k], r1[name]["before"][k]) for k in r0[name]["before"])
+        for k, v in r0[name]["before"].items():
+            assert torch.equal(r0[name]["after"][k], v) and torch.equal(r1[name]["after"][k], v), (name, k)
+        for r in (r0, r1):
+            assert len(r[name]["warned"]) == 1 and "torch.manual_seed" in r[name]["warned"][0], r[name]["warned"]
+    for r in (r0, r1):
+        assert r["qsr-seeded"]["warned"] == [] and r["qsr-seeded"]["bytes"] == 0, r["qsr-seeded"]
+
+
+def _plain_into_outer(rank, world, ckdir):
+    net = DDP(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    state = commhooks.ddp.register(net, opt, {"type": "qsr", "h_base": 2})
+    for step in range(2):
+        opt.zero_grad()
+        net(torch.randn(4, 6)).sum().backward()
+        opt.step()
+    commhooks.save_checkpoint(ckdir, net, opt, state)
+    other = DDP(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)), forward_sync_buffers=False)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    outer = commhooks.ddp.register(other, other_opt, {"type": "qsr", "h_base": 2, "outer_lr": 0.7})
+    try:
+        commhooks.load_checkpoint(ckdir, other, other_opt, outer)
+    except commhooks.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_plain_checkpoint_loaded_into_an_outer_step_run_names_the_file_and_the_fix(tmp_path):
+    for rank, said in enumerate(run_ranks(_plain_into_outer, 2, ckdir=str(tmp_path))):
+        assert said is not None and f"step-00000002/rank{rank}.pt" in said, said
+        assert "holds no outer-step state" in said and "resume with the config it was saved with" in said, said

@@ -85,9 +85,13 @@ def test_readme_code_blocks_are_excerpts_of_the_examples():
 
 
 def _checksums(output: str):
-    found = dict(re.findall(r"rank (\d+): checksum (-?[\d.]+)", output))
-    assert set(found) == {"0", "1"}, output[-3000:]
-    return found
+    """Each rank's last line: the checksum, and what the hook did (a hook that fell back to plain DDP would end
+    with equal checksums too): steps, 0 < syncs < steps, fewer bytes than DDP's."""
+    lines = re.findall(r"rank (\d+): checksum (-?[\d.]+), (\d+) steps, (\d+) syncs, ([\d.]+)% of DDP's bytes", output)
+    assert {r for r, *_ in lines} == {"0", "1"}, output[-3000:]
+    for rank, _, steps, syncs, share in lines:
+        assert 0 < int(syncs) < int(steps) and float(share) < 100, (rank, steps, syncs, share)
+    return {rank: checksum for rank, checksum, *_ in lines}
 
 
 def _run(cmd, env=None, timeout=400):

@@ -29,8 +29,11 @@ CODECS = {
 
 
 def _x(rank):
-    g = torch.Generator().manual_seed(40 + rank)
-    return torch.randn(N, generator=g) * (1 + rank)
+    """What ranks average: a signal they share plus each rank's own part, of a different size on each rank (the
+    ranks' pseudo-gradients agree on the direction training takes; independent noise alone would make the exact
+    mean small against each rank's values, and any compressed mean look no better than sending zeros)."""
+    common = torch.randn(N, generator=torch.Generator().manual_seed(39))
+    return common + 0.5 * (1 + rank) * torch.randn(N, generator=torch.Generator().manual_seed(40 + rank))
 
 
 def _proof(rank):
@@ -76,7 +79,8 @@ def _worker(rank, world):
 
 def _anchor(rank, same):
     """The outer step's anchor after the first step of a hand-built state (no DDP broadcast): ranks that start
-    from the same weights keep their own, ranks that do not take their mean."""
+    from the same weights keep their own; ranks that do not are started from rank 0's by the state's set-up
+    (never averaged), and then keep their own."""
     torch.manual_seed(0 if same else rank)
     net = torch.nn.Linear(6, 3)
     start = torch.cat([p.detach().reshape(-1).clone() for p in net.parameters()])
@@ -84,7 +88,8 @@ def _anchor(rank, same):
     state = commhooks.QSRState(opt, model=net, h_base=2, outer_lr=0.7, outer_momentum=0.9, total_steps=4)
     net(torch.randn(4, 6)).sum().backward()
     opt.step()
-    return start, state.transport.streams.outers[0].anchor.clone(), state.meter.by_tag().get("anchor", 0)
+    tags = state.meter.by_tag()
+    return start, state.transport.streams.outers[0].anchor.clone(), tags.get("anchor", 0), tags.get("start", 0)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +139,10 @@ def test_two_step_mean_is_the_allgather_mean_rounded_once_more(ranks, name):
         bound = sum(_x(r).abs().max() for r in range(4)) / 4 / 7 + gathered.abs().max() / 7
         assert (two - exact).abs().max() <= bound
     err_two, err_gathered = (two - exact).norm() / exact.norm(), (gathered - exact).norm() / exact.norm()
-    limit = {"int8": 0.02, "int4": 0.3, "int2": 1.2, "int4-stochastic": 0.4, "topk": 1.0, "bf16": 0.01}[name]
+    # relative errors of one mean (sending zeros: 1.0); measured 2026-12-05: int8 0.004 / 0.007 (allgather /
+    # two-step), int4 0.075 / 0.128, int2 0.456 / 0.810, top-k 10 % 0.677 / 0.816, bf16 0.001 / 0.002: the second
+    # rounding costs int2 about as much as the first (error feedback carries it to the next sync)
+    limit = {"int8": 0.02, "int4": 0.2, "int2": 0.9, "int4-stochastic": 0.4, "topk": 0.9, "bf16": 0.01}[name]
     assert err_gathered <= err_two <= limit, (err_gathered, err_two)
 
 
@@ -199,14 +207,13 @@ def test_topk_decodes_an_odd_number_of_indices():  # the values start at a byte 
     assert out.nonzero().numel() == 1 and math.isclose(float(out.abs().max()), float(x.abs().max()))
 
 
-def test_the_anchor_is_a_mean_only_when_the_ranks_start_apart(ranks):
+def test_the_anchor_is_rank_0s_start_when_the_ranks_start_apart(ranks):
     n = 6 * 3 + 3
     for out in ranks:  # the same start (as DDP makes it): each rank's own weights, nothing sent
-        start, anchor, sent = out["anchor"][True]
-        assert torch.equal(anchor, start) and sent == 0
-    mean = sum(out["anchor"][False][0] for out in ranks) / 4
-    for out in ranks:  # different starts: one anchor, their mean, one model-sized allreduce
-        start, anchor, sent = out["anchor"][False]
-        assert torch.allclose(anchor, mean, atol=1e-6) and torch.equal(anchor, ranks[0]["anchor"][False][1])
-        assert sent == 4 * n
+        start, anchor, sent, started = out["anchor"][True]
+        assert torch.equal(anchor, start) and sent == started == 0
+    first = ranks[0]["anchor"][False][0]
+    for rank, out in enumerate(ranks):  # different starts: rank 0's broadcast at set-up, no mean, no anchor traffic
+        start, anchor, sent, started = out["anchor"][False]
+        assert torch.equal(anchor, first) and sent == 0 and started == (4 * n if rank == 0 else 0), (rank, started)
     assert not torch.equal(ranks[0]["anchor"][False][0], ranks[1]["anchor"][False][0])  # they did start apart

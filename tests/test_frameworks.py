@@ -74,15 +74,17 @@ def test_accelerate(tmp_path):
     ab, _ = torchrun("accelerate_run.py", tmp_path / "ab", "--hook", "ab", "--accum", "2", "--save-at", "6", env=CPU)
     plain, _ = torchrun("accelerate_run.py", tmp_path / "plain", "--hook", "ab", "--accum", "2", "--plain", env=CPU)
     assert identical(ab, 12) == identical(plain, 12)  # the Accelerate loop is the plain DDP loop
+    # accelerator.load_state right after prepare, before register (where Hugging Face's examples put it)
     resumed, _ = torchrun("accelerate_run.py", tmp_path / "resumed", "--hook", "ab", "--accum", "2", "--resume-from",
-                          str(tmp_path / "ab" / "ckpt"), env=CPU)
+                          str(tmp_path / "ab" / "ckpt"), "--load-before-register", env=CPU)
     assert identical(resumed, 12) == identical(ab, 12)  # bit-exact from accelerator.load_state
     without_commhooks_state(tmp_path / "ab" / "ckpt", tmp_path / "bare")
     refused, _ = torchrun("accelerate_run.py", tmp_path / "refused", "--hook", "ab", "--accum", "2", "--resume-from",
                           str(tmp_path / "bare"), env=CPU)
     refused_everywhere(refused, "Accelerate")
-    qsr, _ = torchrun("accelerate_run.py", tmp_path / "qsr", "--hook", "qsr", "--bf16", env=CPU)
-    identical(qsr, 12)
+    qsr, _ = torchrun("accelerate_run.py", tmp_path / "qsr", "--hook", "qsr", "--bf16", "--save-every", "3", env=CPU)
+    identical(qsr, 12)  # saved into one folder 4 times: one per-rank checkpoint there, the newest
+    assert per_rank_steps(tmp_path / "qsr" / "ckpt") == ["commhooks/step-00000012"]
     nan, _ = torchrun("accelerate_run.py", tmp_path / "nan", "--hook", "qsr", "--nan-at", "4", env=CPU)
     nan_named_everywhere(nan, 4)
     none, _ = torchrun("accelerate_run.py", tmp_path / "none", "--hook", "none", "--steps", "4", "--save-at", "2",
@@ -95,21 +97,50 @@ def test_accelerate(tmp_path):
 # --------------------------------------------------------------------------
 
 
+def foreign_everywhere(ranks, framework):
+    for r in ranks:
+        assert r.get("error", "").startswith("CheckpointError: " + framework + ": the per-rank state in"), r
+        assert "saved beside other weights" in r["error"] and "another run or another checkpoint" in r["error"], r
+
+
+def per_rank_steps(root: Path) -> list:
+    """The per-rank checkpoints under ``root`` (every commhooks/**/step-N folder), as relative paths."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("step-*") if p.is_dir() and "commhooks" in p.parts)
+
+
 def test_transformers_trainer(tmp_path):
-    qsr, _ = torchrun("hf_trainer.py", tmp_path / "qsr", "--hook", "qsr", "--save-steps", "6", env=CPU)
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    qsr, _ = torchrun("hf_trainer.py", a_dir, "--hook", "qsr", "--save-steps", "6", env=CPU)
     straight = identical(qsr, 12)
-    resumed_dir = tmp_path / "resumed"
-    resumed_dir.mkdir()
-    shutil.copytree(tmp_path / "qsr" / "checkpoint-6", resumed_dir / "checkpoint-6")
-    resumed, _ = torchrun("hf_trainer.py", resumed_dir, "--hook", "qsr", "--save-steps", "6", "--resume", env=CPU)
+    assert qsr[0]["warmup"] == 4 and qsr[0]["total"] == 12, qsr[0]  # filled from the Trainer's arguments
+    # resume_from_checkpoint=PATH with another output_dir: the per-rank state comes from PATH, not output_dir
+    resumed, _ = torchrun("hf_trainer.py", tmp_path / "elsewhere", "--hook", "qsr", "--save-steps", "6",
+                          "--resume-from", str(a_dir / "checkpoint-6"), env=CPU)
     assert identical(resumed, 12) == straight  # bit-exact from the Trainer's own checkpoint
+    # run B (other data) resumed while its output_dir holds run A's checkpoint-6: B's own state, exactly
+    b, _ = torchrun("hf_trainer.py", b_dir, "--hook", "qsr", "--save-steps", "6", "--data-offset", "100", env=CPU)
+    straight_b = identical(b, 12)
+    assert straight_b != straight
+    b_in_a, _ = torchrun("hf_trainer.py", tmp_path / "a-again", "--hook", "qsr", "--data-offset", "100",
+                         "--resume-from", str(b_dir / "checkpoint-6"), env=CPU)
+    assert identical(b_in_a, 12) == straight_b
+    # B's checkpoint holding A's per-rank state (folders copied by hand): refused on every rank, naming both
+    foreign = tmp_path / "foreign" / "checkpoint-6"
+    without_commhooks_state(b_dir / "checkpoint-6", foreign)
+    shutil.copytree(a_dir / "checkpoint-6" / "commhooks", foreign / "commhooks")
+    refused, _ = torchrun("hf_trainer.py", tmp_path / "foreign-run", "--hook", "qsr", "--data-offset", "100",
+                          "--resume-from", str(foreign), env=CPU)
+    foreign_everywhere(refused, "Trainer")
     bare = tmp_path / "bare"
     bare.mkdir()
-    without_commhooks_state(tmp_path / "qsr" / "checkpoint-6", bare / "checkpoint-6")
+    without_commhooks_state(a_dir / "checkpoint-6", bare / "checkpoint-6")
     refused, _ = torchrun("hf_trainer.py", bare, "--hook", "qsr", "--save-steps", "6", "--resume", env=CPU)
     refused_everywhere(refused, "Trainer")
-    ab, _ = torchrun("hf_trainer.py", tmp_path / "ab", "--hook", "ab", "--accum", "2", "--bf16", env=CPU)
+    # save_total_limit=1: the Trainer keeps one checkpoint, and the per-rank state inside it goes with the others
+    ab, _ = torchrun("hf_trainer.py", tmp_path / "ab", "--hook", "ab", "--accum", "2", "--bf16", "--save-steps", "4",
+                     "--save-total-limit", "1", env=CPU)
     identical(ab, 12)
+    assert per_rank_steps(tmp_path / "ab") == ["checkpoint-12/commhooks/step-00000012"]
     nan, _ = torchrun("hf_trainer.py", tmp_path / "nan", "--hook", "qsr", "--accum", "2", "--nan-at", "5", env=CPU)
     nan_named_everywhere(nan, 5)
 
@@ -122,6 +153,8 @@ def test_transformers_trainer_with_deepspeed_bf16_zero2(tmp_path):
         "comm_hook": {"type": "qsr", "h_base": 3, "group_size": 1}}))
     first, _ = torchrun("hf_trainer.py", tmp_path / "run", "--deepspeed", str(ds), "--bf16", "--save-steps", "6")
     straight = identical(first, 12)
+    assert first[0]["warmup"] == 4 and first[0]["total"] == 12, first[0]  # the JSON's config, filled by the Trainer
+    assert first[0]["engine_bf16"] and first[0]["weight_dtype"] == "torch.bfloat16", first[0]
     checkpoint = tmp_path / "run" / "checkpoint-6"
     assert (checkpoint / "global_step6").is_dir() and (checkpoint / "replica1" / "global_step6").is_dir()
     resumed_dir = tmp_path / "resumed"
@@ -137,27 +170,96 @@ def test_transformers_trainer_with_deepspeed_bf16_zero2(tmp_path):
 
 
 def test_lightning(tmp_path):
+    ckdir = tmp_path / "ab" / "ckpt"
     ab, _ = torchrun("lightning_run.py", tmp_path / "ab", "--hook", "ab", "--save-every", "6")
     straight = identical(ab, 12)
-    ckpt = tmp_path / "ab" / "ckpt" / "epoch=0-step=6.ckpt"
+    assert ab[0]["warmup"] == 3  # AB's own phase warm-up, as configured (QSR's rule warm-up is filled below)
+    # a second run in the same folder (other data): Lightning saves its checkpoints as -v1, and its per-rank
+    # state goes to a run folder of its own
+    other, _ = torchrun("lightning_run.py", tmp_path / "ab", "--hook", "ab", "--save-every", "6",
+                        "--data-offset", "100")
+    assert identical(other, 12) != straight
+    assert (ckdir / "epoch=0-step=6-v1.ckpt").is_file()
+    ckpt = ckdir / "epoch=0-step=6.ckpt"
     resumed, _ = torchrun("lightning_run.py", tmp_path / "resumed", "--hook", "ab", "--save-every", "6",
                           "--resume", str(ckpt))
     assert identical(resumed, 12) == straight  # bit-exact from Lightning's own checkpoint (an epoch's end)
-    shutil.rmtree(tmp_path / "ab" / "ckpt" / "commhooks")  # Lightning's file names where they were: gone
+    # the folder the first run's .ckpt names, holding the second run's files: refused, naming it
+    import torch
+
+    named = torch.load(ckpt, map_location="cpu", weights_only=False)["commhooks"]["dir"]
+    theirs = torch.load(ckdir / "epoch=0-step=6-v1.ckpt", map_location="cpu", weights_only=False)["commhooks"]["dir"]
+    assert named != theirs
+    shutil.rmtree(Path(named) / "step-00000006")
+    shutil.copytree(Path(theirs) / "step-00000006", Path(named) / "step-00000006")
+    foreign, _ = torchrun("lightning_run.py", tmp_path / "foreign", "--hook", "ab", "--save-every", "6",
+                          "--resume", str(ckpt))
+    foreign_everywhere(foreign, "Lightning")
+    assert named in foreign[0]["error"], foreign[0]["error"]
+    shutil.rmtree(ckdir / "commhooks")  # Lightning's file names where they were: gone
     refused, _ = torchrun("lightning_run.py", tmp_path / "refused", "--hook", "ab", "--save-every", "6",
                           "--resume", str(ckpt))
     refused_everywhere(refused, "Lightning")
-    qsr, _ = torchrun("lightning_run.py", tmp_path / "qsr", "--hook", "qsr", "--accum", "2", "--bf16")
+    assert named in refused[0]["error"], refused[0]["error"]  # the folder the .ckpt recorded
+    # save_top_k=1: one .ckpt kept, and one per-rank checkpoint; the rule's warm-up from the lr scheduler
+    qsr, _ = torchrun("lightning_run.py", tmp_path / "qsr", "--hook", "qsr", "--accum", "2", "--bf16",
+                      "--save-every", "2", "--save-top-k", "1")
     identical(qsr, 12)
+    assert qsr[0]["warmup"] == 4, qsr[0]
+    kept = [p.name for p in (tmp_path / "qsr" / "ckpt").glob("*.ckpt")]
+    assert len(kept) == 1 and kept[0].endswith("step=12.ckpt"), kept
+    assert [Path(p).name for p in per_rank_steps(tmp_path / "qsr" / "ckpt")] == ["step-00000012"]
     nan, _ = torchrun("lightning_run.py", tmp_path / "nan", "--hook", "qsr", "--nan-at", "4")
     nan_named_everywhere(nan, 4)
 
 
+FRAMEWORK_BASE = {  # what an integration must import of its framework: nothing more may come with it
+    "accelerate": "import accelerate",
+    "transformers": "from transformers import TrainerCallback",
+    "lightning": "from lightning.pytorch.callbacks import Callback",
+}
+
+
+def _frameworks_loaded(code: str) -> list:
+    probe = (f"import sys; {code}; print(sorted(m for m in ('accelerate', 'transformers', 'lightning', "
+             "'pytorch_lightning') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+
 @pytest.mark.parametrize("framework", ["accelerate", "transformers", "lightning"])
 def test_the_integrations_import_only_their_framework(framework):
-    """`import commhooks` pulls in no framework; each integration only its own."""
-    code = (f"import sys, commhooks; assert not any(m in sys.modules for m in ('accelerate', 'transformers', "
-            f"'lightning')); import commhooks.integrations.{framework}; print(sorted(m for m in ('accelerate', "
-            f"'transformers', 'lightning') if m in sys.modules))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    """`import commhooks` pulls in no framework; each integration loads no framework beyond what its own
+    framework's base class brings (transformers' TrainerCallback imports accelerate; Lightning's Callback imports
+    transformers where it is installed: theirs, not ours)."""
+    if framework == "accelerate":  # once
+        assert _frameworks_loaded("import commhooks") == []
+    ours = _frameworks_loaded(f"import commhooks.integrations.{framework}")
+    theirs = _frameworks_loaded(FRAMEWORK_BASE[framework])
+    assert set(ours) <= set(theirs) and framework in theirs, (framework, ours, theirs)
+
+
+def test_the_lr_warmup_is_read_off_a_scheduler_and_the_scheduler_put_back():
+    """Lightning knows the scheduler, not its warm-up: it is the steps until the lr stops rising, found by stepping
+    the scheduler on the side; the scheduler, the lr and the momentum (one-cycle moves it too) are as before."""
+    import torch
+
+    from commhooks.integrations._common import lr_warmup_steps
+
+    def fresh(kind):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, momentum=0.9)
+        if kind == "linear-5":  # lr 0 at step 0, the peak from step 5, then cosine
+            return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(s / 5, 0.5 * (1 + math.cos(s / 40))))
+        if kind == "one-cycle":
+            return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=40, pct_start=0.25)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)  # never rises
+
+    import math
+
+    for kind, expected in (("linear-5", 5), ("one-cycle", 9), ("step", None)):
+        opt, sched = fresh(kind)
+        before = ({k: v for k, v in opt.param_groups[0].items() if k != "params"}, sched.state_dict())
+        assert lr_warmup_steps(sched, 100) == expected, kind
+        after = ({k: v for k, v in opt.param_groups[0].items() if k != "params"}, sched.state_dict())
+        assert after == before, (kind, before, after)

@@ -169,9 +169,8 @@ def test_the_commit_waits_for_every_rank_file_and_refuses_one_that_never_lands(t
         assert r["refused"] and "was not committed" in r["refused"] and "commit_timeout_s" in r["refused"], r
         assert r["latest_after_refusal"] == "step-00000002" and r["resumed_step"] == 2, r
     assert "rank1.pt (absent, rank 1 wrote" in r0["refused"], r0["refused"]
-    for r in (r0, r1):  # a failed write: refused on every rank, the file's rank named (not a timeout: seconds)
-        assert r["unwritten"] and "was not written by rank(s) [1]" in r["unwritten"], r
-        assert r["unwritten_after_s"] < 30, r  # collective timeout 60 s: an answer, not a hang
+    for r in (r0, r1):  # a failed write: refused on every rank, the file's rank named (a hang would have ended
+        assert r["unwritten"] and "was not written by rank(s) [1]" in r["unwritten"], r  # in a CollectiveError)
     assert "No space left on device" in r1["unwritten"], r1
 
 
@@ -355,8 +354,7 @@ def test_nan_gradient_raises_on_every_rank_at_the_next_sync_naming_step_and_para
     assert kind0 == kind1 == "NonFiniteError", (msg0, msg1)
     assert "NaN or Inf gradient on 1 rank(s) since the last sync, found at the QSR sync at step 4" in msg0
     assert "at optimizer step 2 on rank 0 in: 0.weight" in msg0, msg0
-    assert "none on this rank (1)" in msg1, msg1
-    assert t0 < 20 and t1 < 20  # no timeout involved
+    assert "none on this rank (1)" in msg1, msg1  # (a timeout would have been a CollectiveError, not this)
 
 
 def test_nan_gradient_skip_policy_counts_and_keeps_ranks_in_step():

@@ -2,7 +2,8 @@
 
 * ``total_steps`` is honoured by every local algorithm (AB's fixed rule too): a run whose length is not a
   multiple of the period ends with a sync;
-* without it, ``with state:`` (or ``state.finish()``) ends the run synced, and a run with neither warns once;
+* without it, ``with state:`` (or ``state.finish()``) ends the run synced, and a run with none of them that really
+  ends between two syncs warns, once, when it ends (the state dropped, or the process exiting), on every rank;
 * a trainable parameter that no given optimizer steps is named on every rank ("pass every optimizer").
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,6 +62,7 @@ def _run(conf, steps, rank, use_with=False, two_optimizers=False, give_both=True
                 F.cross_entropy(net(ids), y).backward()
                 for opt in optimizers:
                     opt.step()
+        state._end_check()  # what dropping the state or the process's exit runs: the end-of-run check
     checksum = float(sum(p.detach().double().sum() for p in net.module.parameters()))
     return {"checksum": checksum, "syncs": state.syncs, "step": state.step,
             "warnings": [str(w.message) for w in caught if "commhooks" in w.filename or "QSR" in str(w.message)
@@ -87,8 +90,9 @@ def test_runs_end_synced_or_say_why_not():
     for name in ("qsr-open", "ab-open"):  # the run ends between syncs: the ranks differ, and were told
         assert r0[name]["checksum"] != r1[name]["checksum"], name
         for r in (r0, r1):
-            found = [w for w in r[name]["warnings"] if "total_steps is not set" in w]
-            assert len(found) == 1 and "`with state:`" in found[0], (name, r[name]["warnings"])
+            found = [w for w in r[name]["warnings"] if "between two syncs" in w]
+            assert len(found) == 1 and "`with state:`" in found[0] and "state.finish()" in found[0], r[name]
+            assert "the run ended at step" in found[0], found
     assert r0["ab-fixed-total"]["syncs"] == 3  # at 4, 8 and the run's end, 11
     for r in (r0, r1):  # the embedding stepped by an optimizer the state was not given: named on every rank
         found = [w for w in r["two-optimizers-one-given"]["warnings"] if "in none of the optimizers given" in w]
@@ -123,18 +127,52 @@ def test_plain_scripts_exit_cleanly_without_shutdown():
     assert not failed, failed
 
 
-def _unfrozen(rank, world):
-    """A layer frozen when DDP built its buckets and unfrozen at step 2 (fine-tuning): DDP never reduces its
+def _launch_plain(env, timeout=120):
+    """Two ranks of tests/scripts/plain_exit.py, started as a launcher would; [(returncode, output)] by rank."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from commhooks.launch import free_port
+
+    repo = Path(__file__).resolve().parents[1]
+    port = str(free_port("127.0.0.1"))
+    procs = [subprocess.Popen([sys.executable, str(repo / "tests" / "scripts" / "plain_exit.py")], cwd=repo,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": port, **env})
+             for r in range(2)]
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def test_the_end_of_run_warning_fires_only_when_a_run_really_ends_apart():
+    """A script that calls state.finish() after its loop prints no end-of-run warning (it used to print one at
+    the first step, whatever followed); the same script without it, ending between syncs, warns at exit on every
+    rank.  QSR with an outer step, int8 and overlap (streamed rounds: only a blocking sync ends one)."""
+    for end, warned in (("finish", False), ("open", True)):
+        for rank, (code, out) in enumerate(_launch_plain({"ALGO": "qsr", "END": end})):
+            assert code == 0 and "done" in out, (end, rank, out[-2000:])
+            assert ("the run ended at step 12, between two syncs" in out) == warned, (end, rank, out[-2000:])
+            assert "total_steps is not set" not in out, out
+
+
+def _unfrozen(rank, world, unfreeze_at, adam):
+    """A layer frozen when DDP built its buckets and unfrozen later (fine-tuning): DDP never reduces its
     gradient, so the state does, in AB's warm-up and full-rank steps (world mean) and its AB steps (group)."""
     net = Body()
     for p in net.emb.parameters():
         p.requires_grad_(False)
     net = DDP(net, forward_sync_buffers=False)
-    opt = torch.optim.SGD(net.module.parameters(), lr=0.1, momentum=0.9)
-    state = commhooks.ddp.register(net, opt, {**AB, "warmup_steps": 6, "total_steps": 12})
+    opt = (torch.optim.AdamW(net.module.parameters(), lr=0.01) if adam else
+           torch.optim.SGD(net.module.parameters(), lr=0.1, momentum=0.9))
+    state = commhooks.ddp.register(net, opt, {**AB, "warmup_steps": 6, "sync_period": 5, "full_rank_steps": 2,
+                                             "total_steps": 20})
     apart = []
-    for step in range(12):
-        if step == 2:
+    for step in range(20):
+        if step == unfreeze_at:
             for p in net.module.emb.parameters():
                 p.requires_grad_(True)
         ids, y = _tokens(step, rank)
@@ -147,32 +185,51 @@ def _unfrozen(rank, world):
     return apart
 
 
-def test_a_layer_unfrozen_after_ddp_is_averaged_where_the_algorithm_averages():
-    for apart in run_ranks(_unfrozen, 2, timeout=120):
-        warmup = [d for phase, d in apart[:6]]
-        assert warmup == [0.0] * 6, apart  # identical in warm-up (full-rank allreduce), unfrozen included
+@pytest.mark.parametrize("unfreeze_at, adam", [(2, False), (8, True), (10, True)])
+def test_a_layer_unfrozen_after_ddp_is_averaged_where_the_algorithm_averages(unfreeze_at, adam):
+    """Unfrozen in warm-up, in an AB phase, in a full-rank phase: identical on every rank in every warm-up and
+    full-rank step (they average every trainable parameter), and at the end."""
+    for apart in run_ranks(_unfrozen, 2, timeout=120, unfreeze_at=unfreeze_at, adam=adam):
+        together = [d for phase, d in apart if phase != "ab"]
+        assert len(together) >= 10 and together == [0.0] * len(together), apart
+        assert any(d > 0 for phase, d in apart if phase == "ab"), apart  # groups of one drift: the check can fail
         assert apart[-1][1] == 0.0, apart  # and synced at the end
 
 
 def _ddp_join_idiom(rank, world):
     """PyTorch's documented idiom for uneven inputs, `with ddp_model.join():` (not `Join([ddp_model, state])`):
-    the state takes part too, so the rank out of data shadows the syncs and the ranks end identical."""
-    net = DDP(Body(), forward_sync_buffers=False)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    state = commhooks.ddp.register(net, opt, {**QSR, "h_base": 3})
-    batches = 10 if rank == 0 else 7
-    with net.join():
-        for step in range(batches):
-            ids, y = _tokens(step, rank)
-            opt.zero_grad()
-            F.cross_entropy(net(ids), y).backward()
-            opt.step()
-    return float(sum(p.detach().double().sum() for p in net.module.parameters())), state.step
+    the state takes part too, so the rank out of data shadows the syncs and the ranks end identical.  On both
+    routes: ``commhooks.ddp.register``, and the two lines ``QSRState(opt, model=ddp_model)`` +
+    ``ddp_model.register_comm_hook(state, commhooks.comm_hook)`` (before, a gloo rank aborted there: "Received
+    data size doesn't match expected size"), for QSR and AB."""
+    out = {}
+    for route in ("register", "two-line"):
+        for name, conf in (("qsr", {**QSR, "h_base": 3}), ("ab", {**AB, "warmup_steps": 3})):
+            net = DDP(Body(), forward_sync_buffers=False)
+            opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+            if route == "register":
+                state = commhooks.ddp.register(net, opt, conf)
+            else:
+                cls = commhooks.QSRState if conf["type"] == "qsr" else commhooks.ABState
+                state = cls(opt, model=net, **{k: v for k, v in conf.items() if k != "type"})
+                net.register_comm_hook(state, commhooks.comm_hook)
+            batches = 10 if rank == 0 else 7
+            with net.join():
+                for step in range(batches):
+                    ids, y = _tokens(step, rank)
+                    opt.zero_grad()
+                    F.cross_entropy(net(ids), y).backward()
+                    opt.step()
+            out[route, name] = (float(sum(p.detach().double().sum() for p in net.module.parameters())), state.step)
+    return out
 
 
-def test_ddp_join_idiom_includes_the_state():
-    (c0, s0), (c1, s1) = run_ranks(_ddp_join_idiom, 2, timeout=120)
-    assert c0 == c1 and s0 == s1 == 10, (c0, c1, s0, s1)
+def test_ddp_join_idiom_includes_the_state_on_both_routes():
+    r0, r1 = run_ranks(_ddp_join_idiom, 2, timeout=180)
+    assert set(r0) == {(route, name) for route in ("register", "two-line") for name in ("qsr", "ab")}, r0
+    for key in r0:
+        (c0, s0), (c1, s1) = r0[key], r1[key]
+        assert c0 == c1 and s0 == s1 == 10, (key, c0, c1, s0, s1)
 
 
 # --------------------------------------------------------------------------

@@ -49,6 +49,8 @@ def _train(config, steps, lr_at=lambda step: 0.05):
             x = torch.randn(16, 16, generator=g)
             F.cross_entropy(net(x), x[:, :4].argmax(1)).backward()
             opt.step()
+        if getattr(state, "_end_check", None) is not None:
+            state._end_check()  # what dropping the state or the process's exit runs: the end-of-run check
     logger.removeHandler(handler)
     return state, [str(w.message) for w in caught if "commhooks" in w.filename or "QSR" in str(w.message)
                    or "AB" in str(w.message)], lines
@@ -74,8 +76,8 @@ def _scenarios(rank, world):
     out["ab_nothing"] = caught
     state, caught, lines = _train({**ab, "min_compression_rate": 0.0, "total_steps": 8}, 8)
     out["ab_ordinary"] = {"warnings": caught, "lines": lines, "report": state.report()}
-    # AB with no total_steps (fixed periods too): the run may end inside a phase
-    _, caught, _ = _train({**ab, "min_compression_rate": 0.0}, 8)
+    # AB with no total_steps (fixed periods too), ending inside an AB phase (step 6 of 4-7)
+    _, caught, _ = _train({**ab, "min_compression_rate": 0.0}, 6)
     out["ab_unbounded"] = caught
     # an overlap as long as the shortest period: the sync in flight lands when the next is due
     _, caught, _ = _train({"type": "qsr", "h_base": 2, "alpha": 0.0, "warmup_steps": 2, "total_steps": 8,
@@ -122,15 +124,15 @@ def test_warning_when_lr_still_rises_after_warmup(scenarios):
 
 def test_warning_when_a_period_may_outlast_the_run(scenarios):
     for res in scenarios:
-        found = [w for w in res["unbounded"] if "total_steps is not set" in w]
-        assert len(found) == 1 and found[0].startswith("QSR: total_steps is not set"), res["unbounded"]
+        found = [w for w in res["unbounded"] if "between two syncs" in w]
+        assert len(found) == 1 and found[0].startswith("QSR: the run ended at step 12"), res["unbounded"]
         assert "`with state:`" in found[0] and "state.finish()" in found[0], found
 
 
 def test_warning_when_an_ab_phase_may_outlast_the_run(scenarios):
     for res in scenarios:  # a fixed sync_period too: the run's length need not be a multiple of it
-        found = [w for w in res["ab_unbounded"] if "total_steps is not set" in w]
-        assert len(found) == 1 and found[0].startswith("AB: total_steps is not set"), res["ab_unbounded"]
+        found = [w for w in res["ab_unbounded"] if "between two syncs" in w]
+        assert len(found) == 1 and found[0].startswith("AB: the run ended at step 6"), res["ab_unbounded"]
 
 
 def test_warning_when_overlap_reaches_the_next_sync(scenarios):

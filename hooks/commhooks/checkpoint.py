@@ -359,7 +359,10 @@ def load_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
         failed[rank] = 0.0 if ck is not None else 1.0
         failed = _allreduce_max(state, torch.tensor(failed, dtype=torch.float64, device=device)).tolist()
         if not any(failed):
-            _restore(ck, model, optimizer, state, scheduler)
+            try:
+                _restore(ck, model, optimizer, state, scheduler)
+            except (ValueError, KeyError, RuntimeError) as exc:  # the same file kind on every rank: the same error
+                raise CheckpointError(f"cannot resume from {path}: {exc}") from exc
             if skipped:
                 warnings.warn(f"resumed from {folder.name}; skipped newer checkpoints: {'; '.join(skipped)}",
                               stacklevel=2)

@@ -110,8 +110,11 @@ def _check_ddp(ddp_model) -> None:
             "trainer.strategy.model, or use commhooks.integrations.lightning.CommHookCallback)")
 
 
-def _join_includes(ddp_model, state) -> None:
-    """Make PyTorch's own idiom ``with ddp_model.join():`` include the state (as ``Join([ddp_model, state])``):
+def include_in_join(ddp_model, state) -> None:
+    """Make PyTorch's own idiom ``with ddp_model.join():`` include the state (as ``Join([ddp_model, state])``),
+    however the state was built (the engine facts of a DDP model call it once the state is built: through
+    :func:`register`, and on the two-line route ``QSRState(optimizer, model=ddp_model)`` +
+    ``ddp_model.register_comm_hook(state, commhooks.comm_hook)``):
     a rank out of data then shadows the syncs too, instead of leaving the others' collectives unpaired.
 
     And end a Join context with the state first: DDP's own Join post-hook broadcasts the last joiner's model to
@@ -178,6 +181,5 @@ def register(ddp_model, optimizer, config, process_group=None, scaler=None, **st
                         process_group=process_group, config=config, **state_options)
     if scaler is not None:
         state.use_scaler(scaler)
-    ddp_model.register_comm_hook(state, comm_hook)
-    _join_includes(ddp_model, state)
+    ddp_model.register_comm_hook(state, comm_hook)  # `with ddp_model.join():` includes the state (its facts' attach)
     return state

@@ -23,6 +23,7 @@ registration.  This module sits with the adapters; the base imports it only insi
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -47,9 +48,10 @@ def for_model(model, **known) -> EngineFacts:
     with ``known``: the fields the caller's engine states itself (they win; a ``local_world_size`` given there
     spares the look at the environment)."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        from .ddp import buffers_broadcast_each_forward
+        from .ddp import buffers_broadcast_each_forward, include_in_join
 
-        found = {"module": model.module, "buffers_synced_each_forward": buffers_broadcast_each_forward(model)}
+        found = {"module": model.module, "buffers_synced_each_forward": buffers_broadcast_each_forward(model),
+                 "attach": functools.partial(include_in_join, model)}
     else:
         found = {"module": model}
     if "local_world_size" not in known:

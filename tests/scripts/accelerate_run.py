@@ -18,6 +18,8 @@ p = parser("--steps")
 p.add_argument("--plain", action="store_true", help="torch DDP + commhooks.ddp.register instead of Accelerate")
 p.add_argument("--save-at", type=int, default=0)
 p.add_argument("--resume-from")
+p.add_argument("--load-before-register", action="store_true", help="load_state right after prepare, as HF's examples")
+p.add_argument("--save-every", type=int, default=0, help="save_state into one folder every K steps")
 args = p.parse_args()
 
 CONFIGS = {**configs(total_steps=args.steps), "none": {"type": "none"}}  # none: Accelerate's DDP, metered
@@ -58,6 +60,8 @@ else:
     accelerator = Accelerator(gradient_accumulation_steps=args.accum, mixed_precision="bf16" if args.bf16 else "no")
     rank = accelerator.process_index
     net, optimizer = accelerator.prepare(model, optimizer)
+    if args.resume_from and args.load_before_register:
+        accelerator.load_state(args.resume_from)
     state = integration.register(accelerator, net, optimizer, CONFIGS[args.hook])  # the line
 
     def train_step(step):
@@ -74,13 +78,14 @@ else:
 
 first = 0
 try:
-    if not args.plain and args.resume_from:
+    if not args.plain and args.resume_from and not args.load_before_register:
         accelerator.load_state(args.resume_from)
     first = getattr(state, "step", 0)
     with state:
         for step in range(first, args.steps):
             train_step(step)
-            if args.save_at and step + 1 == args.save_at and not args.plain:
+            if not args.plain and (args.save_at and step + 1 == args.save_at
+                                   or args.save_every and (step + 1) % args.save_every == 0):
                 accelerator.save_state(os.path.join(args.out, "ckpt"))
 except Exception as exc:  # noqa: BLE001 - reported to the test
     result["error"] = f"{type(exc).__name__}: {exc}"

@@ -133,6 +133,23 @@ straight = run("bf16", 2, 12, QSR)
 resumed = run("bf16", 2, 12, QSR, resume_at=7, ckpt=f"{args.out}/ckpt")
 result["resume"] = {"straight": straight["final"], "resumed": resumed["final"],
                     "sync_steps": (straight["sync_steps"], resumed["sync_steps"])}
+# a script that seeds no model (DeepSpeedExamples' CIFAR): each rank starts from its own weights, and with replica
+# groups of one rank DeepSpeed's start broadcast stays inside each; the state starts them from rank 0's
+result["unseeded"] = {}
+for stage in (0, 2):
+    torch.manual_seed(1000 + rank)
+    net = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 3))
+    before = agreement(net)[0]
+    engine, *_ = ds_adapter.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), config={
+        "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
+        "zero_allow_untested_optimizer": True, "comm_hook": {"type": "qsr", "h_base": 2, "group_size": 1,
+                                                              "total_steps": 4}})
+    masters = torch.cat([t.detach().float().reshape(-1) for _, t in engine.comm_hook_state.named_params])
+    every = [torch.empty_like(masters) for _ in range(world)]
+    dist.all_gather(every, masters)
+    result["unseeded"][stage] = {"before": before, "after": agreement(engine.module)[0],
+                                 "masters_equal": all(torch.equal(every[0], e) for e in every),
+                                 "dp_world": engine.dp_world_size}
 # a NaN gradient seen on one rank only (its NaN guard's record, as its observe() writes it at a step): the engine's
 # own collective save_checkpoint is refused on every rank together, before anything is written
 if rank == 3:

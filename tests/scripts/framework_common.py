@@ -16,6 +16,7 @@ def parser(steps_flag: str = "--max-steps") -> argparse.ArgumentParser:
     p.add_argument(steps_flag, type=int, default=12)
     p.add_argument("--nan-at", type=int, default=-1, help="NaN gradients on rank 0 at this optimizer step")
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--data-offset", type=int, default=0, help="another run: the same model, other data")
     return p
 
 
@@ -36,6 +37,6 @@ def tiny_gpt2():
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
-def tokens(i):
-    """Sequence ``i`` of the synthetic data: 16 token ids, the same on every run."""
-    return torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+def tokens(i, offset=0):
+    """Sequence ``i`` of the synthetic data: 16 token ids, the same on every run (``offset``: another run's)."""
+    return torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i + offset))

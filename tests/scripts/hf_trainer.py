@@ -18,6 +18,8 @@ from commhooks.integrations.transformers import CommHookCallback
 p = parser()
 p.add_argument("--save-steps", type=int, default=0)
 p.add_argument("--resume", action="store_true")
+p.add_argument("--resume-from", help="a checkpoint folder (resume_from_checkpoint=PATH), anywhere")
+p.add_argument("--save-total-limit", type=int)
 p.add_argument("--deepspeed")
 p.add_argument("--local_rank", type=int)
 args = p.parse_args()
@@ -30,7 +32,8 @@ class Tokens(torch.utils.data.Dataset):
         return 512
 
     def __getitem__(self, i):
-        ids = tokens(i)
+        # under DeepSpeed on this CPU, Accelerate sees one process and shards nothing: each rank its own data
+        ids = tokens(i, args.data_offset + (1000 * int(os.environ.get("RANK", 0)) if args.deepspeed else 0))
         return {"input_ids": ids, "labels": ids.clone()}
 
 
@@ -53,11 +56,18 @@ targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=4, gr
                           save_steps=args.save_steps or args.max_steps + 1, save_strategy="steps" if args.save_steps else "no",
                           logging_steps=1000, report_to=[], use_cpu=not args.deepspeed, seed=0, data_seed=0,
                           dataloader_num_workers=0, deepspeed=args.deepspeed, bf16=args.bf16 and not args.deepspeed,
-                          disable_tqdm=True, ddp_find_unused_parameters=False)
+                          disable_tqdm=True, ddp_find_unused_parameters=False, save_total_limit=args.save_total_limit)
 if args.deepspeed and args.bf16:
     # TrainingArguments refuses bf16 on a CPU unless use_cpu, which turns DeepSpeed off; DeepSpeed's CPU accelerator
     # runs bf16 (the suite's DeepSpeed tests do): set it after the check, for its "auto" bf16 section
     targs.bf16 = True
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    from accelerate.utils import DeepSpeedPlugin
+
+    targs.hf_deepspeed_config = HfTrainerDeepSpeedConfig(args.deepspeed)  # its "auto" values read again, bf16 now
+    targs.hf_deepspeed_config.trainer_config_process(targs)
+    targs.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=targs.hf_deepspeed_config)  # as __post_init__ makes it
 callbacks = [CommHookCallback(CONFIGS[args.hook])] if not args.deepspeed else [CommHookCallback(
     json.load(open(args.deepspeed))["comm_hook"])]
 if args.nan_at >= 0:
@@ -66,12 +76,18 @@ trainer = Trainer(model=model, args=targs, train_dataset=Tokens(), callbacks=cal
 rank = int(os.environ.get("RANK", 0))
 result = {"rank": rank}
 try:
-    trainer.train(resume_from_checkpoint=True if args.resume else None)
+    trainer.train(resume_from_checkpoint=args.resume_from or (True if args.resume else None))
 except Exception as exc:  # noqa: BLE001 - reported to the test
     result["error"] = f"{type(exc).__name__}: {exc}"
 hook = callbacks[0].state
+engine = getattr(callbacks[0], "_deepspeed", None)
+if engine is not None:
+    result["engine_bf16"] = bool(engine.bfloat16_enabled())
+    result["weight_dtype"] = str(next(engine.module.parameters()).dtype)
 result.update(checksum=float(sum(p.detach().double().sum() for p in model.parameters())),
               step=None if hook is None else hook.step, syncs=None if hook is None else hook.syncs,
+              warmup=None if hook is None else getattr(hook.config, "warmup_steps", None),
+              total=None if hook is None else hook.config.total_steps,
               params={n: p.detach().float().flatten()[:8].tolist() for n, p in list(model.named_parameters())[:3]})
 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fd:
     json.dump(result, fd)

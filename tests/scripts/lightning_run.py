@@ -20,6 +20,7 @@ from commhooks.integrations.lightning import CommHookCallback
 p = parser()
 p.add_argument("--save-every", type=int, default=0)
 p.add_argument("--resume")
+p.add_argument("--save-top-k", type=int, default=-1)
 args = p.parse_args()
 
 CONFIGS = configs()  # the callback fills total_steps from max_steps
@@ -33,7 +34,7 @@ class Tokens(torch.utils.data.Dataset):
         return 48
 
     def __getitem__(self, i):
-        return tokens(i)
+        return tokens(i, args.data_offset)
 
 
 class Tiny(L.LightningModule):
@@ -44,8 +45,10 @@ class Tiny(L.LightningModule):
     def training_step(self, ids, i):
         return self.gpt(input_ids=ids, labels=ids).loss
 
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+    def configure_optimizers(self):  # a 4-step linear warm-up, stepped per step: the callback fills warmup_steps
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+        warm = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))  # peak from step 4
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": warm, "interval": "step"}}
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(Tokens(), batch_size=4, shuffle=False)
@@ -66,7 +69,8 @@ hook = CommHookCallback(CONFIGS[args.hook])
 callbacks = [InjectNaN(args.nan_at), hook] if args.nan_at >= 0 else [hook]  # the NaN goes in before the guard
 if args.save_every:
     callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"), every_n_train_steps=args.save_every,
-                                     save_top_k=-1))
+                                     save_top_k=args.save_top_k, monitor="step" if args.save_top_k > 0 else None,
+                                     mode="max"))
 trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=args.max_steps, callbacks=callbacks,
                     accumulate_grad_batches=args.accum, precision="bf16-mixed" if args.bf16 else "32",
                     logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -80,6 +84,7 @@ except Exception as exc:  # noqa: BLE001 - reported to the test
 rank = trainer.global_rank
 state = hook.state
 result.update(rank=rank, checksum=float(sum(p.detach().double().sum() for p in model.parameters())),
-              step=None if state is None else state.step, syncs=None if state is None else state.syncs)
+              step=None if state is None else state.step, syncs=None if state is None else state.syncs,
+              warmup=None if state is None else getattr(state.config, "warmup_steps", None))
 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fd:
     json.dump(result, fd)

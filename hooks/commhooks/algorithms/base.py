@@ -11,6 +11,9 @@ owns everything algorithms share, so a subclass holds only its algorithm:
 * the start-up handshake: config, world size, parameter names and shapes,
   commhooks version and whatever :meth:`describe` adds must agree on every
   rank, or every rank raises the same ConfigError before training;
+* an equal start: after :meth:`start` (groups) every rank holds rank 0's
+  weights (broadcast where they differ, with a warning), then :meth:`begin`
+  (set-up that reads them, such as a first basis);
 * the optimizer step hooks that count steps and skipped steps;
 * the post-sync check (``check_every``) and the sync counters;
 * ``state_dict`` / ``load_state_dict`` of the counters, ``remove``.
@@ -74,6 +77,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from typing import ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -83,10 +87,10 @@ from ..comm import CollectiveError, Comm, Work
 from ..config import ConfigError, HookConfig, to_dict
 from . import run_end
 from .averaging import average_, float_buffers
-from .consistency import verify_identical, verify_same_everywhere
+from .consistency import same_everywhere, verify_identical, verify_same_everywhere
 from .engine_facts import EngineFacts, _facts_of_hand_built_state
 from .helpers import optimizer_list, resolve_config, tensors_to, unwrap_optimizer
-from .helpers import user_stacklevel  # noqa: F401  (its old home: re-exported)
+from .helpers import user_stacklevel  # (also re-exported from its old home here)
 from .parameters import ParameterSet, reduce_strays
 from .reporting import Reporting
 from .run_end import RunEnd
@@ -160,15 +164,20 @@ class AlgorithmState(RunEnd, Reporting):
         self._uncounted = False  # the next optimizer step is no training step (see not_a_training_step)
         self._reduced: set = set()  # ids of the parameters the engine handed over this step (reduce_bucket)
         self._warned_end = False
+        self._end = None  # what the end-of-run check reads (run_end.watch_the_end)
         self.setup()
         verify_same_everywhere(comm, f"the {self.display_name} hook", {
             "config": to_dict(self.config), "world": comm.size, "version": __version__,
             "params": [(n, tuple(p.shape)) for n, p in self.named_params], **self.describe()})
         self.start()
+        self._start_equal()
+        self.begin()
         run_end.warn_unoptimized(self, self.named_params)
         self._handles = []
         if not self.engine.drives_steps:
             self._register_step_hooks()
+        if self.engine.attach is not None:
+            self.engine.attach(self)
 
     def _register_step_hooks(self) -> None:
         self.alignment.take_over_amp(self.optimizers)
@@ -234,6 +243,49 @@ class AlgorithmState(RunEnd, Reporting):
 
     def start(self) -> None:
         """Subclass hook: collective set-up after the handshake (groups, a first basis)."""
+
+    def begin(self) -> None:
+        """Subclass hook: collective set-up that reads the weights, once every rank starts from the same ones
+        (AB's first phase: its bases)."""
+
+    def start_group(self):
+        """Subclass hook: the group whose ranks must start from the same synced tensors (``None``: the world;
+        a state whose engine shards inside replica groups names the group of this rank's shard across them)."""
+        return None
+
+    def _start_equal(self) -> None:
+        """Every rank starts from the first rank's weights, as DDP's constructor and Horovod's
+        ``broadcast_parameters`` make them.  An engine may leave them different (DeepSpeed with replica groups
+        broadcasts inside each group only; a script that seeds no model), and a local method would then
+        average the different starts at its first sync.  One 32-byte fingerprint comparison per group at
+        set-up (a host read); only where the starts differ, a broadcast from the group's first rank, and a
+        warning on every rank."""
+        if self.comm.size == 1:
+            return
+        params = [p for _, p in self.named_params]
+        buffers = self.float_buffers()
+        group = self.start_group()
+        checks = [(params + buffers, None)] if group is None else [(params, group), (buffers, None)]
+        fixed = []
+        for tensors, over in checks:
+            if not tensors or same_everywhere(self.comm, tensors, group=over):
+                continue
+            src = (over or self.comm.world).ranks[0]
+            for dtype in dict.fromkeys(t.dtype for t in tensors):
+                self.comm.broadcast([t.data for t in tensors if t.dtype == dtype], src=src, group=over, tag="start")
+            fixed.append("the synced tensors" if over is None else "the shards")
+        if group is not None:  # shard groups decide apart: the engine's refresh (a collective) runs on all or none
+            anywhere = torch.tensor([1.0 if fixed else 0.0], device=self.device)
+            self.comm.allreduce([anywhere], op="max", tag="start", metered=False)
+            if anywhere.tolist()[0] and not fixed:
+                fixed.append("another group's shards")
+        if fixed:
+            self.tensors_changed()
+            warnings.warn(
+                f"{self.display_name}: the ranks started from different weights ({' and '.join(fixed)} differed); "
+                "every rank now starts from the first rank's, as DDP's constructor and Horovod's "
+                "broadcast_parameters do (seed the model the same on every rank, torch.manual_seed, to start there "
+                "yourself)", stacklevel=user_stacklevel())
 
     @property
     def display_name(self) -> str:
@@ -322,8 +374,9 @@ class AlgorithmState(RunEnd, Reporting):
         """After each optimizer step: count it, then :meth:`after_step`; every ``log_every`` steps a log line."""
         self.step += 1
         if not self._warned_end:
-            run_end.warn_open_end(self)
+            run_end.watch_the_end(self)
         self.after_step()
+        run_end.note_the_end(self)
         if self.config.log_every and self.step % self.config.log_every == 0 and self.comm.rank == 0:
             log.info(self.log_line())
 
@@ -418,6 +471,7 @@ class AlgorithmState(RunEnd, Reporting):
         self.tensors_changed()
         self.syncs += 1
         self.sync_steps.append(self.step)
+        run_end.note_the_end(self)
         if self.config.check_every and self.syncs % self.config.check_every == 0:
             verify_identical(self.comm, self.identical_named(),
                              f"after {self.display_name} sync {self.syncs} (step {self.step})", group=group)

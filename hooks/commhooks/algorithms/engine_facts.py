@@ -39,6 +39,9 @@ class EngineFacts:
       the engine's flat fp32 master (DeepSpeed's fused optimizers keep one per
       group), so per-layer algorithms see each layer's matrix; this maps each
       view to its stretch of the flat parameter, whose optimizer state is one.
+    * ``attach``: called with the state once it is built, so the engine's own
+      idioms include it, however the state was built (DDP: ``with
+      ddp_model.join():`` takes the state in, as ``Join([ddp_model, state])``).
     """
 
     module: Optional[torch.nn.Module] = None
@@ -50,6 +53,7 @@ class EngineFacts:
     tensors_changed: Optional[Callable[[], None]] = None
     master_slices: Optional[dict] = None  # the tensors handed over are views into flat optimizer parameters:
     # id(view) -> (flat parameter, start, end) (DeepSpeed's fused fp16/bf16 master), for per-tensor optimizer state
+    attach: Optional[Callable[[object], None]] = None
 
 
 def _facts_of_hand_built_state(model) -> EngineFacts:

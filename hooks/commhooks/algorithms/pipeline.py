@@ -324,9 +324,11 @@ class OuterSteps:
                               "parameters of the first step)")
 
     def take_anchor(self) -> None:
-        """First step: every rank's anchor (and weights) the mean of the ranks' weights; when every rank starts
-        from the same weights (DDP broadcasts them, as do Horovod's ``broadcast_parameters`` and DeepSpeed), their
-        own copy: a 32-byte fingerprint comparison instead of a model-sized mean."""
+        """First step: every rank's anchor is its own copy of the weights, which every rank starts from equal
+        (the state's set-up broadcasts rank 0's where an engine left them apart:
+        :meth:`~.base.AlgorithmState._start_equal`), checked by a 32-byte fingerprint comparison; should they
+        differ all the same (weights changed on some ranks between the set-up and the first step), the anchor
+        is their mean."""
         host = self.host
         with host.collective_context():
             if same_everywhere(host.comm, self.cover.params()):
@@ -391,6 +393,7 @@ class OuterSteps:
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         if state is None:
-            raise ValueError("the checkpoint holds no outer state (saved with plain averaging?); this state takes "
-                             "outer steps (outer_lr / outer_momentum / payload / overlap_steps / fragments)")
+            raise ValueError("it holds no outer-step state (saved by a run with plain averaging?), and this run's "
+                             "config takes outer steps (outer_lr / outer_momentum / payload / overlap_steps / "
+                             "fragments): resume with the config it was saved with")
         self.streams.load_state_dict(state)

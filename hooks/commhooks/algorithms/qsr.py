@@ -53,7 +53,7 @@ from typing_extensions import Annotated
 from ..registry import register_algorithm
 from .averaging import float_buffers, optimizer_moments
 from ..comm import Group
-from . import replicas
+from . import replicas, run_end
 from ..config import ConfigError
 from .base import AlgorithmState
 from .helpers import user_stacklevel
@@ -316,6 +316,10 @@ class QSRState(AlgorithmState):
                 self.shards = shards[replicas.group_of(across, self.comm.rank)]
         self.cover.across, self.cover.replica = self.shards, self.replica
 
+    def start_group(self):
+        """An engine sharding inside replica groups: each shard starts equal to its counterparts in the others."""
+        return self.shards if self.engine.replica_data_parallel else None
+
     @property
     def outer(self):
         """The fragments' outer states and syncs in flight (:class:`~.pipeline.StreamedSyncs`), or None when a
@@ -398,6 +402,7 @@ class QSRState(AlgorithmState):
         self.H = None
         if blocking and len(fragments) == self.transport.fragments or not self.streaming:
             self._complete_at = self.step
+            run_end.note_the_end(self)
         self.synced(group=self.shards)
 
     def _send(self, k: int, blocking: bool = False) -> None:

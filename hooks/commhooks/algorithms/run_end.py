@@ -13,8 +13,10 @@ the last round, all ending in :func:`final_sync`:
   steps (:func:`shadow_step`);
 * frameworks' end-of-fit callbacks, which call ``finish()``.
 
-And two warnings, once per state, on every rank: a run with no known end
-(:func:`warn_open_end`), and trainable parameters no optimizer given to the
+And two warnings, once per state, on every rank: a run that really ended
+between two syncs (:func:`watch_the_end`: checked when the state is dropped or
+the process exits, so a run closed by ``finish()``, ``with state:`` or
+``total_steps`` sees none), and trainable parameters no optimizer given to the
 state steps (:func:`warn_unoptimized`).
 
 :class:`RunEnd` is a part of :class:`~.base.AlgorithmState` (the context
@@ -25,7 +27,10 @@ calls theirs.
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 import warnings
+import weakref
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -52,6 +57,7 @@ class RunEnd:
         """End the run with the same model on every rank: land the syncs in flight and, unless the last step
         synced, sync now.  Collective: every rank calls it after its last step (``with state:`` does)."""
         self.final_sync()
+        note_the_end(self)
 
     def final_sync(self) -> None:
         """Sync if the last round was left open (the end of a run: ``finish()``, a Join with uneven inputs)."""
@@ -98,22 +104,50 @@ class RunEnd:
         self.joined = False
         if flag.item():
             self.final_sync()
+        note_the_end(self)
 
 
-def warn_open_end(state) -> None:
-    """Once, at the first step: a run whose ranks differ between syncs, with no known end and no ``with
-    state:``, may end between two syncs, with different models on the ranks."""
+@dataclasses.dataclass
+class _OpenEnd:
+    """What the end-of-run check knows of a state once the state is gone: its name, its last step, and
+    whether every rank held the same model after it (its own ``in_sync_at``, noted after each step and at
+    ``finish()``)."""
+
+    name: str
+    step: int = 0
+    synced: bool = True
+
+
+def watch_the_end(state) -> None:
+    """At the first step, for a state whose ranks differ between syncs: arrange the end-of-run check, run when
+    the state is dropped or, at the latest, when the process exits (:func:`_warn_if_ended_apart`)."""
     state._warned_end = True
-    if not state.runs_apart or state._in_context or "total_steps" not in type(state.config).model_fields:
+    if not state.runs_apart:
         return
-    if state.config.total_steps is not None:
+    state._end = _OpenEnd(state.display_name)
+    state._end_check = weakref.finalize(state, _warn_if_ended_apart, state._end, weakref.ref(state))
+
+
+def note_the_end(state) -> None:
+    """After each step and at ``finish()``: where the run stands, for the end-of-run check."""
+    if state._end is not None:
+        state._end.step = state.step
+        state._end.synced = state.in_sync_at() == state.step
+
+
+def _warn_if_ended_apart(end: _OpenEnd, ref) -> None:
+    """The run is over (its state dropped, or the process exiting): warn if its last step left the ranks with
+    different models.  Not after an uncaught error: its traceback is the news."""
+    state = ref()
+    if state is not None:  # the process is exiting with the state alive: ask it
+        note_the_end(state)
+    if getattr(sys, "last_value", None) is not None or end.step == 0 or end.synced:
         return
     warnings.warn(
-        f"{state.display_name}: total_steps is not set, and between syncs each rank's model is its own: a run that "
-        "ends between two syncs ends with different models on the ranks. Set total_steps (the last period then "
+        f"{end.name}: the run ended at step {end.step}, between two syncs: each rank holds its own model. Call "
+        "state.finish() after the loop (or wrap it in `with state:`), or set total_steps (the last period then "
         "ends with a sync; commhooks train fills it from --steps, DeepSpeed from its scheduler's "
-        "total_num_steps), or wrap the loop in `with state:` (its exit syncs if the last step did not; "
-        "state.finish() after the loop does the same)", stacklevel=user_stacklevel())
+        "total_num_steps)", UserWarning, stacklevel=2)
 
 
 def warn_unoptimized(state, named: Sequence[Tuple[str, torch.Tensor]]) -> None:

@@ -90,7 +90,10 @@ def _load(engine, original, load_dir, tag=None, **kwargs):
         if not os.path.exists(hook_file):
             raise CheckpointError(f"{hook_file} is missing: the checkpoint was not written by an engine with the "
                                   "comm hook attached (the hook's schedule and each replica's state cannot resume)")
-        state.load_state_dict(torch.load(hook_file, map_location="cpu", weights_only=True))
+        try:
+            state.load_state_dict(torch.load(hook_file, map_location="cpu", weights_only=True))
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"cannot resume the comm hook from {hook_file}: {exc}") from exc
     return path, client_state
 
 

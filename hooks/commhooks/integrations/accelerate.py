@@ -14,9 +14,12 @@ there and silently registers nothing else.  What ``register`` does:
   (its step hooks must sit where ``step()`` really runs);
 * checkpoints every rank: ``accelerator.save_state(dir)`` writes rank 0's model and optimizer (and
   ``register_for_checkpointing`` objects from rank 0 too); between syncs each rank's are its own, so at every
-  ``save_state`` each rank also writes its weights, optimizer and hook state to ``dir/commhooks/``, and after
+  ``save_state`` each rank also writes its weights, optimizer and hook state to ``dir/commhooks/`` (the newest
+  only: saving into one folder again and again keeps one), with a fingerprint of rank 0's weights; after
   ``accelerator.load_state(dir)`` each rank restores its own over rank 0's, or every rank raises if they are
-  missing (a silent divergence otherwise).
+  missing or were saved beside other weights (a silent divergence otherwise).  ``load_state`` may come before
+  ``register`` (as in Hugging Face's example scripts): ``register`` then restores each rank's state from the
+  folder ``load_state`` read.
 
 Launch as Accelerate users do: ``accelerate launch --num_processes 2 script.py`` on GPUs; on CPUs
 ``ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 script.py`` (``accelerate launch --cpu`` starts one process).
@@ -24,28 +27,70 @@ Launch as Accelerate users do: ``accelerate launch --num_processes 2 script.py``
 
 from __future__ import annotations
 
+from accelerate import Accelerator
+
 from .. import ddp as ddp_adapter
 from ..config import ConfigError
 from ._common import find_ddp, load_ranks, save_ranks
 
+_LOADED_FROM = "_commhooks_loaded_from"  # on an Accelerator: the folder its last load_state read
+
+
+def _note_loads() -> None:
+    """Every ``Accelerator.load_state`` notes the folder it read on its accelerator, so that :func:`register`,
+    called after it (where Hugging Face's example scripts put ``load_state``: right after ``prepare``), restores
+    each rank's own state from there.  Installed when this module is imported (before a script's
+    ``load_state``); it changes nothing else."""
+    if getattr(Accelerator.load_state, "_commhooks_notes", False):
+        return
+    original = Accelerator.load_state
+
+    def load_state(self, input_dir=None, *args, **kwargs):
+        seen = {}  # the folder Accelerate resolved (automatic checkpoint naming, ~), as its pre-hooks see it
+        handle = self.register_load_state_pre_hook(lambda models, folder: seen.setdefault("dir", folder))
+        try:
+            out = original(self, input_dir, *args, **kwargs)
+        finally:
+            handle.remove()
+        setattr(self, _LOADED_FROM, seen.get("dir", input_dir))
+        return out
+
+    load_state._commhooks_notes = True
+    load_state.__wrapped__ = original
+    load_state.__doc__ = original.__doc__
+    Accelerator.load_state = load_state
+
+
+_note_loads()
+
 
 def register(accelerator, model, optimizer, config, scaler=None):
     """The algorithm's state for ``config`` on the prepared ``model`` (DDP) and ``optimizer``; every rank's state
-    saved and restored with ``accelerator.save_state`` / ``load_state``.  Call on every rank, after ``prepare``."""
+    saved and restored with ``accelerator.save_state`` / ``load_state``.  Call on every rank, after ``prepare``;
+    before or after ``load_state`` (after it, each rank's own state is restored here)."""
     ddp_model = find_ddp(model)
     if ddp_model is None:
         raise ConfigError(
             "commhooks.integrations.accelerate.register needs the model accelerator.prepare returned, wrapped in "
             "DistributedDataParallel (2 or more processes: accelerate launch --num_processes N, or "
             "ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N on CPUs)")
+    loaded_from = getattr(accelerator, _LOADED_FROM, None)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if loaded_from is None and any(inner.state.values()):
+        raise ConfigError(
+            "commhooks.integrations.accelerate.register: the optimizer already holds state (accelerator.load_state "
+            "ran before this module was imported, or the model trained before register): the ranks would go on "
+            "from rank 0's weights and optimizer with the hook at step 0. Import commhooks.integrations.accelerate "
+            "at the top of the script (then register restores each rank's state after load_state), or call "
+            "register right after prepare")
     state = ddp_adapter.register(ddp_model, optimizer, config, scaler=scaler)
     if not hasattr(state, "state_dict"):  # {"type": "none"}: DDP's allreduce, the ranks never differ
         return state
     module = ddp_model.module
     loading = {}
 
-    def save_every_rank(models, weights, output_dir):
-        save_ranks(output_dir, module, state.optimizers, state, state.step)
+    def save_every_rank(models, weights, output_dir):  # one checkpoint's worth per folder saved into
+        save_ranks(output_dir, module, state.optimizers, state, state.step, keep=1)
 
     def note_input_dir(models, input_dir):
         loading["dir"] = input_dir
@@ -60,4 +105,7 @@ def register(accelerator, model, optimizer, config, scaler=None):
         return out
 
     accelerator.load_state = load_state  # this accelerator only
+    if loaded_from is not None:  # load_state ran before register: each rank's own state now
+        setattr(accelerator, _LOADED_FROM, None)
+        load_ranks(loaded_from, module, state.optimizers, state, None, "Accelerate")
     return state

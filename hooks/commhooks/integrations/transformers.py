@@ -27,6 +27,8 @@ What the callback does, and why (each was a silent problem with a hand-written o
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 from typing import Optional
 
@@ -34,7 +36,10 @@ from transformers import TrainerCallback
 
 from .. import ddp as ddp_adapter
 from ..config import ConfigError, load_config
-from ._common import fill_schedule, find_ddp, load_ranks, save_ranks
+from ._common import config_conflicts, fill_schedule, find_ddp, load_ranks, save_ranks
+
+log = logging.getLogger("commhooks")
+
 
 class CommHookCallback(TrainerCallback):
     """A ``TrainerCallback`` that runs a commhooks algorithm (``config``: object, dict, JSON path or shipped name)
@@ -47,6 +52,7 @@ class CommHookCallback(TrainerCallback):
         self.checkpoint_root = checkpoint_root  # where checkpoint-<step> folders are (default: args.output_dir)
         self.state = None
         self._deepspeed = None
+        self._resumed_from: Optional[str] = None  # the checkpoint folder the Trainer resumed from
 
     # ---------------------------------------------------------------- start
     def on_init_end(self, args, state, control, **kwargs):
@@ -54,13 +60,40 @@ class CommHookCallback(TrainerCallback):
             from . import _deepspeed_build
 
             _deepspeed_build.route_initialize()
+        self._note_resumes()
+
+    def _note_resumes(self) -> None:
+        """Learn which checkpoint folder the Trainer resumes from: ``trainer.train(resume_from_checkpoint=...)``
+        tells no callback, and the per-rank state must come from that folder, not from ``output_dir``.  The
+        Trainer that holds this callback loads its optimizer from that folder in every mode
+        (``_load_optimizer_and_scheduler(path)``); this Trainer's method is wrapped to note the path.  Should a
+        Trainer not be found, or load elsewhere, the fingerprint check at the resume still refuses a foreign
+        state."""
+        import transformers
+
+        for obj in gc.get_objects():
+            try:
+                mine = isinstance(obj, transformers.Trainer) and self in obj.callback_handler.callbacks
+            except Exception:  # noqa: BLE001 - a weakref proxy whose object is gone, a Trainer half built
+                continue
+            if mine and hasattr(obj, "_load_optimizer_and_scheduler"):
+                original = obj._load_optimizer_and_scheduler
+
+                def noting(checkpoint, *args, **kwargs):
+                    self._resumed_from = checkpoint
+                    return original(checkpoint, *args, **kwargs)
+
+                obj._load_optimizer_and_scheduler = noting  # this Trainer only
+                return
+        log.warning("CommHookCallback: the Trainer holding this callback was not found; a resume reads the "
+                    "per-rank state from output_dir/checkpoint-N (a foreign one is still refused)")
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.state is not None:
             return
-        filled = fill_schedule(self.config, state.max_steps, args.get_warmup_steps(state.max_steps))
         if getattr(args, "deepspeed", None):
-            return self._begin_deepspeed(args, state, model, filled)
+            return self._begin_deepspeed(args, state, model)
+        fill_schedule(self.config, state.max_steps, args.get_warmup_steps(state.max_steps))
         ddp_model = find_ddp(model)
         if ddp_model is None:
             raise ConfigError(
@@ -68,20 +101,37 @@ class CommHookCallback(TrainerCallback):
                 "with torchrun / accelerate launch with 2 or more processes)")
         self.state = ddp_adapter.register(ddp_model, optimizer, self.config)
         if state.global_step > 0:  # resumed: the Trainer loaded rank 0's weights and optimizer on every rank
-            load_ranks(self._folder(args, state.global_step), model, self.state.optimizers, self.state,
-                       state.global_step, "Trainer")
+            folder = self._folder(args, state.global_step)
+            if self._resumed_from:  # the folder resumed from (beside checkpoint_root's copy, if one is given)
+                folder = os.path.join(self.checkpoint_root, os.path.basename(os.path.normpath(self._resumed_from))) \
+                    if self.checkpoint_root else self._resumed_from
+            load_ranks(folder, model, self.state.optimizers, self.state, state.global_step, "Trainer")
 
-    def _begin_deepspeed(self, args, state, model, filled):
+    def _begin_deepspeed(self, args, state, model):
         from . import _deepspeed_build
 
         engine = _deepspeed_build.engine_of(model)
+        if engine is None:
+            off = " TrainingArguments(use_cpu=True) is set, and it switches DeepSpeed off in the Trainer;" \
+                if getattr(args, "use_cpu", False) else ""
+            raise ConfigError(
+                f"CommHookCallback: TrainingArguments(deepspeed={args.deepspeed!r}) is set, but no DeepSpeed engine "
+                f"wraps the Trainer's model ({type(model).__name__}):{off} launch with DeepSpeed on (the deepspeed "
+                "launcher or torchrun, without use_cpu), or drop deepspeed= to run under DDP")
         self.state = engine.comm_hook_state
         if self.state is None:
             raise ConfigError("CommHookCallback with DeepSpeed: the engine has no comm hook; put the config in the "
                               "DeepSpeed JSON's \"comm_hook\" section (TrainingArguments(deepspeed=...))")
-        for key, value in filled.items():
-            if getattr(self.state.config, key) is None:
-                setattr(self.state.config, key, value)
+        differ = config_conflicts(self.config, self.state.config)
+        if differ:
+            raise ConfigError(
+                f"CommHookCallback's config and the \"comm_hook\" section of the DeepSpeed config "
+                f"({args.deepspeed!r}) disagree: "
+                + "; ".join(f"{key}: {mine!r} in the callback, {theirs!r} in the JSON" for key, (mine, theirs)
+                            in differ.items())
+                + ". The engine runs the JSON's: give the callback the same config (or only its \"type\")")
+        # the JSON's config, filled as the callback's would be: total_steps and the rule's warm-up from the Trainer
+        fill_schedule(self.state.config, state.max_steps, args.get_warmup_steps(state.max_steps))
         self._deepspeed = engine  # the Trainer saves and resumes it (per replica group, with the hook's state)
 
     # ------------------------------------------------------------ checkpoints

@@ -621,7 +621,9 @@ def _run(args, out: Path) -> int:
         if lab is None and any(bw != "unlimited" for bw in args.bandwidths):
             print("commhooks bench: loopback cannot be rate-limited; measuring 'unlimited' only", flush=True)
             args.bandwidths = ["unlimited"]
-        results = {"setup": {"ranks": args.ranks, "nodes": lab.nodes if lab else None, "steps": args.steps,
+        # on loopback --nodes still groups the ranks by node (LOCAL_WORLD_SIZE): "vs DDP" then compares the bytes
+        # the meter counts on groups spanning nodes, as the wire counter would with namespaces
+        results = {"setup": {"ranks": args.ranks, "nodes": lab.nodes if lab else args.nodes, "steps": args.steps,
                              "model": args.model, "seed": args.seed, "seeds": args.seeds, "repeats": args.repeats,
                              "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
                              "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}, "methods": {}}

@@ -131,6 +131,9 @@ class ABState(AlgorithmState):
         self.groups = [self.comm.new_group(g, name=n) for g, n in zip(self.group_ranks, names)]
         mine = next(i for i, g in enumerate(self.group_ranks) if self.comm.rank in g)
         self.group, self.role = self.groups[mine], self.group_roles[mine]
+
+    def begin(self) -> None:
+        """The first phase (with ``warmup_steps`` 0, the first basis), from the start every rank shares."""
         self._advance()
 
     def _compressible(self) -> List[Tuple[str, torch.Tensor]]:
