@@ -14,7 +14,7 @@ VENV=${OLDEST_VENV:-.venv-oldest-torch}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=$(sed -n 's/^\s*torch>=\([0-9.]*\),.*/\1/p' setup.cfg)
 [ -n "$TORCH_VERSION" ] || { echo "oldest-torch: no torch>=X,... line in setup.cfg" >&2; exit 1; }
-CORE_TESTS=${CORE_TESTS:-"tests/test_qsr.py tests/test_ab.py tests/test_ab_qsr.py tests/test_outer.py tests/test_streaming.py tests/test_exchange.py tests/test_payloads.py tests/test_alignment.py tests/test_run_end.py tests/test_comm.py tests/test_contract.py tests/oldest_torch"}
+CORE_TESTS=${CORE_TESTS:-"tests/test_qsr.py tests/test_ab.py tests/test_outer.py tests/test_streaming.py tests/test_exchange.py tests/test_payloads.py tests/test_alignment.py tests/test_run_end.py tests/test_comm.py tests/test_contract.py tests/oldest_torch"}
 
 stamp="$VENV/.commhooks-installed"
 want=$( (cat setup.cfg pyproject.toml .ci/oldest-torch.sh; echo "$TORCH_VERSION") | sha256sum | cut -d' ' -f1)

@@ -78,6 +78,15 @@ def test_accelerate(tmp_path):
     resumed, _ = torchrun("accelerate_run.py", tmp_path / "resumed", "--hook", "ab", "--accum", "2", "--resume-from",
                           str(tmp_path / "ab" / "ckpt"), "--load-before-register", env=CPU)
     assert identical(resumed, 12) == identical(ab, 12)  # bit-exact from accelerator.load_state
+    # the folder holding another run's per-rank state of the same step (copied by hand): refused, naming both
+    other, _ = torchrun("accelerate_run.py", tmp_path / "other", "--hook", "ab", "--accum", "2", "--save-at", "6",
+                        "--data-offset", "1", env=CPU)
+    assert "error" not in other[0], other[0]
+    without_commhooks_state(tmp_path / "ab" / "ckpt", tmp_path / "foreign")
+    shutil.copytree(tmp_path / "other" / "ckpt" / "commhooks", tmp_path / "foreign" / "commhooks")
+    foreign, _ = torchrun("accelerate_run.py", tmp_path / "foreign-run", "--hook", "ab", "--accum", "2",
+                          "--resume-from", str(tmp_path / "foreign"), "--load-before-register", env=CPU)
+    foreign_everywhere(foreign, "Accelerate")
     without_commhooks_state(tmp_path / "ab" / "ckpt", tmp_path / "bare")
     refused, _ = torchrun("accelerate_run.py", tmp_path / "refused", "--hook", "ab", "--accum", "2", "--resume-from",
                           str(tmp_path / "bare"), env=CPU)

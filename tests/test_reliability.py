@@ -305,16 +305,21 @@ def test_divergence_after_a_sync_is_named_on_every_rank():
 
 
 def _nan_before_svd(rank, world):
+    """A NaN in rank 1's weights when the first basis is taken (after a step: the ranks start equal, the state
+    makes sure of that at set-up)."""
     model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = commhooks.ABState(opt, model=model, warmup_steps=1, sync_period=5, full_rank_steps=1, mode="only-b")
     if rank == 1:
         with torch.no_grad():
             model[2].weight[0, 0] = float("nan")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
     try:
-        commhooks.ABState(torch.optim.SGD(model.parameters(), lr=0.1), model=model, warmup_steps=0, sync_period=5,
-                          full_rank_steps=1, mode="only-b")
+        opt.step()  # the warm-up's one step; the basis after it
     except NonFiniteError as exc:
         return str(exc)
-    return None
+    return None if state.phase != "ab" else "the basis was taken without a word"
 
 
 def test_nan_weight_before_the_svd_is_named_on_every_rank():

@@ -3,8 +3,9 @@ fp32 master per group: the adapter's flat refresh path, which no CPU run reaches
 at first use, with nvcc, which takes a minute or more of a borrowed host's budget, so only with
 COMMHOOKS_GPU_CHECK_FUSED_ADAM=1; otherwise torch's Adam, and the record names the optimizer)
 and bf16 at ZeRO 2, each with a QSR comm_hook: after the run's last sync the low-precision weights equal their
-fp32 masters.  CPU mode: bf16 at ZeRO 2 only (DeepSpeed's CPU accelerator); fp16 is reported as skipped with
-that reason, here and in the CPU suite."""
+fp32 masters; and fp16 at ZeRO 2 on 2 ranks in replica groups of one, the loss scaler skipping a step on one
+of them.  CPU mode: bf16 at ZeRO 2 only (DeepSpeed's CPU accelerator); the fp16 cases are reported as skipped
+with that reason, here and in the CPU suite."""
 
 from __future__ import annotations
 
@@ -79,3 +80,48 @@ def test_deepspeed_on_the_device(name):
     assert r["step"] == 6 and r["syncs"] == 3, r
     assert r["refreshed"], r
     record(f"DeepSpeed {name}", r)
+
+
+def _two_rank_env(rank: int) -> dict:
+    from tests.gpu.common import rank_env
+
+    return {"TORCH_EXTENSIONS_DIR": os.path.abspath(".cache/torch_extensions"), **rank_env(rank)}
+
+
+def _fp16_overflow_on_one_replica(rank, world):
+    """Two ranks, replica groups of one, fp16 at ZeRO 2: an Inf loss on rank 1 at step 2, which DeepSpeed's loss
+    scaler skips on that rank only (its lr scheduler step too)."""
+    import commhooks.deepspeed
+    from tests.gpu.common import model
+
+    ds = {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
+          "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}, "zero_optimization": {"stage": 2},
+          "comm_hook": {"type": "qsr", "h_base": 2, "group_size": 1, "total_steps": 8}}
+    net = model(batchnorm=False)
+    engine, *_ = commhooks.deepspeed.initialize(model=net, model_parameters=net.parameters(), config=ds,
+                                                optimizer=torch.optim.SGD(net.parameters(), lr=0.05))
+    state = engine.comm_hook_state
+    for step in range(8):
+        x, y = batch(step, rank, engine.device)
+        loss = F.cross_entropy(engine(x.half()).float(), y)
+        if step == 2 and rank == 1:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        engine.step()
+    weights = torch.cat([p.detach().reshape(-1).float().to("cpu") for p in engine.module.parameters()])
+    return {"sync_steps": list(state.sync_steps), "step": state.step, "ds_skipped": engine.skipped_steps,
+            "weights": weights}
+
+
+def test_deepspeed_fp16_loss_scaler_with_replica_groups():
+    """The fp16 loss scaler skipping a step on one replica only: every rank keeps the schedule, the run ends with
+    identical ranks.  CPU mode: skipped, saying why (DeepSpeed's CPU accelerator has no fp16)."""
+    if TARGET.device != "cuda":
+        pytest.skip("fp16 with DeepSpeed's loss scaler needs CUDA (the CPU suite says so too)")
+    r0, r1 = run_ranks(_fp16_overflow_on_one_replica, 2, timeout=240, backend=TARGET.backend, env=_two_rank_env,
+                       device_id=TARGET.device_id)
+    assert (r0["ds_skipped"], r1["ds_skipped"]) == (0, 1), (r0["ds_skipped"], r1["ds_skipped"])
+    assert r0["step"] == r1["step"] == 8 and r0["sync_steps"] == r1["sync_steps"], (r0, r1)
+    assert torch.equal(r0["weights"], r1["weights"])
+    record("DeepSpeed fp16-zero2 replicas, overflow on rank 1",
+           {"sync_steps": r0["sync_steps"], "skipped": [r0["ds_skipped"], r1["ds_skipped"]]})

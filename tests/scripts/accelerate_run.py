@@ -26,7 +26,7 @@ CONFIGS = {**configs(total_steps=args.steps), "none": {"type": "none"}}  # none:
 
 
 def batch(step, micro, rank):
-    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank + 100000 * args.data_offset)
     return torch.randint(0, 64, (4, 16), generator=g)
 
 
