@@ -272,3 +272,24 @@ def test_the_lr_warmup_is_read_off_a_scheduler_and_the_scheduler_put_back():
         assert lr_warmup_steps(sched, 100) == expected, kind
         after = ({k: v for k, v in opt.param_groups[0].items() if k != "params"}, sched.state_dict())
         assert after == before, (kind, before, after)
+
+
+def test_refusals_name_the_setting_that_causes_them():
+    """The Lightning callback on a sharded strategy names it and FSDP; the Trainer callback under deepspeed= with
+    use_cpu=True (which switches DeepSpeed off in the Trainer) names use_cpu.  The frameworks' real objects; the
+    Trainer's arguments only as far as the callback reads them."""
+    from types import SimpleNamespace
+
+    import torch
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from commhooks.config import ConfigError
+    from commhooks.integrations.lightning import CommHookCallback as LightningHook
+    from commhooks.integrations.transformers import CommHookCallback as TrainerHook
+
+    with pytest.raises(ConfigError, match=r"strategy is FSDPStrategy.*sharded model \(FSDP"):
+        LightningHook({"type": "qsr", "h_base": 2}).on_fit_start(
+            SimpleNamespace(precision="32-true", strategy=FSDPStrategy()), None)
+    with pytest.raises(ConfigError, match=r"deepspeed='ds.json'.*use_cpu=True.*switches DeepSpeed off"):
+        TrainerHook({"type": "qsr", "h_base": 2})._begin_deepspeed(
+            SimpleNamespace(deepspeed="ds.json", use_cpu=True), None, torch.nn.Linear(2, 2))
