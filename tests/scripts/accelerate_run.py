@@ -60,9 +60,13 @@ else:
     accelerator = Accelerator(gradient_accumulation_steps=args.accum, mixed_precision="bf16" if args.bf16 else "no")
     rank = accelerator.process_index
     net, optimizer = accelerator.prepare(model, optimizer)
-    if args.resume_from and args.load_before_register:
-        accelerator.load_state(args.resume_from)
-    state = integration.register(accelerator, net, optimizer, CONFIGS[args.hook])  # the line
+    state = None
+    try:
+        if args.resume_from and args.load_before_register:
+            accelerator.load_state(args.resume_from)
+        state = integration.register(accelerator, net, optimizer, CONFIGS[args.hook])  # the line
+    except Exception as exc:  # noqa: BLE001 - reported to the test (register restores after an early load_state)
+        result["error"] = f"{type(exc).__name__}: {exc}"
 
     def train_step(step):
         for m in range(args.accum):
@@ -78,6 +82,8 @@ else:
 
 first = 0
 try:
+    if state is None:
+        raise SystemExit  # the error is recorded already
     if not args.plain and args.resume_from and not args.load_before_register:
         accelerator.load_state(args.resume_from)
     first = getattr(state, "step", 0)
@@ -87,6 +93,8 @@ try:
             if not args.plain and (args.save_at and step + 1 == args.save_at
                                    or args.save_every and (step + 1) % args.save_every == 0):
                 accelerator.save_state(os.path.join(args.out, "ckpt"))
+except SystemExit:
+    pass
 except Exception as exc:  # noqa: BLE001 - reported to the test
     result["error"] = f"{type(exc).__name__}: {exc}"
 result.update(rank=rank, checksum=float(sum(p.detach().double().sum() for p in model.parameters())),
