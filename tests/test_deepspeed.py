@@ -129,8 +129,8 @@ def replica_runs(tmp_path_factory):
 
 def test_fp16_loss_scaler_with_replica_groups(replica_runs):
     """fp16 at ZeRO 2 with an overflow in one pair: the loss scaler skips that pair's step, the schedule holds.
-    DeepSpeed refuses fp16 on a CPU without fp16 kernels (this machine's): then this is a skip saying so, and only
-    the GPU check (DeepSpeed fp16 at ZeRO 0 there) runs fp16."""
+    DeepSpeed refuses fp16 on a CPU whose accelerator has no fp16 kernels (this machine's has them since
+    2026-12-05): there this is a skip saying so, and the GPU check runs fp16."""
     runs, _ = replica_runs
     fp16 = runs[0]["fp16_zero2_overflow"]
     if isinstance(fp16, str):

@@ -115,9 +115,10 @@ def _fp16_overflow_on_one_replica(rank, world):
 
 def test_deepspeed_fp16_loss_scaler_with_replica_groups():
     """The fp16 loss scaler skipping a step on one replica only: every rank keeps the schedule, the run ends with
-    identical ranks.  CPU mode: skipped, saying why (DeepSpeed's CPU accelerator has no fp16)."""
+    identical ranks, over NCCL.  CPU mode: skipped, saying why (the CPU suite runs fp16 replica groups on gloo
+    where DeepSpeed's CPU accelerator has fp16: tests/test_deepspeed.py)."""
     if TARGET.device != "cuda":
-        pytest.skip("fp16 with DeepSpeed's loss scaler needs CUDA (the CPU suite says so too)")
+        pytest.skip("fp16 replica groups over NCCL needs CUDA (the CPU suite runs them on gloo)")
     r0, r1 = run_ranks(_fp16_overflow_on_one_replica, 2, timeout=240, backend=TARGET.backend, env=_two_rank_env,
                        device_id=TARGET.device_id)
     assert (r0["ds_skipped"], r1["ds_skipped"]) == (0, 1), (r0["ds_skipped"], r1["ds_skipped"])
