@@ -103,27 +103,11 @@ def test_runs_end_synced_or_say_why_not():
 def test_plain_scripts_exit_cleanly_without_shutdown():
     """10 two-rank runs of a script (AB: 6 of 15 such runs aborted before) that never tears down the process
     group: every rank of every run exits 0.  The ranks are started directly, as a launcher would."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from commhooks.launch import free_port
-
-    repo = Path(__file__).resolve().parents[1]
-    script = str(repo / "tests" / "scripts" / "plain_exit.py")
     failed = []
     for i in range(10):
-        port = str(free_port("127.0.0.1"))
-        procs = [subprocess.Popen([sys.executable, script], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "ALGO": "ab", "RANK": str(r),
-                                                  "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
-                                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
-                 for r in range(2)]
-        for r, p in enumerate(procs):
-            out, _ = p.communicate(timeout=120)
-            if p.returncode != 0 or "done" not in out:
-                failed.append((i, r, p.returncode, out[-500:]))
+        for r, (code, out) in enumerate(_launch_plain({"ALGO": "ab"})):
+            if code != 0 or "done" not in out:
+                failed.append((i, r, code, out[-500:]))
     assert not failed, failed
 
 

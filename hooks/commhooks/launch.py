@@ -276,7 +276,7 @@ def local_cuda_index(local_rank: int, visible: Optional[int] = None, local_world
         return local_rank
     raise LaunchError(
         f"LOCAL_RANK {local_rank} and this process sees {visible} GPUs "
-        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): give each task one GPU "
+        f"(CUDA_VISIBLE_DEVICES={shown if shown is not None else '<unset>'}): give each task one GPU "
         "(srun --gpus-per-task=1) or all of the node's, one rank per GPU")
 
 

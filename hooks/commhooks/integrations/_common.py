@@ -101,26 +101,25 @@ def _fingerprint(model, device) -> torch.Tensor:
     return torch.cat([fingerprint(params, device), size])
 
 
-def weights_fingerprint(model, state) -> List[float]:
-    """This rank's weights summarised (:func:`_fingerprint`), read on the host."""
-    return _fingerprint(model, state.comm.device).tolist()
-
-
 def same_weights(a: List[float], b: List[float]) -> bool:
     """Whether two fingerprints describe the same weights: equal to 1e-9 of the weights' magnitude (a GPU of
     another kind sums in another order; another run's or checkpoint's weights differ by far more)."""
     return len(a) == len(b) == 3 and all(abs(x - y) <= 1e-9 * max(a[2], b[2], 1.0) for x, y in zip(a, b))
 
 
-def _rank0_fingerprint(model, state) -> List[float]:
-    """Rank 0's :func:`weights_fingerprint` on every rank (the framework saves rank 0's weights): an unmetered
-    sum in which the other ranks add zeros (exact); collective."""
-    fp = _fingerprint(model, state.comm.device)
+def rank0_value(state, values: torch.Tensor) -> List[float]:
+    """Rank 0's ``values`` on every rank, read on the host: an unmetered sum in which the other ranks add zeros
+    (exact; a broadcast would be metered as the algorithm's traffic).  Collective."""
     if state.comm.rank != 0:
-        fp.zero_()
+        values.zero_()
     if state.comm.size > 1:
-        state.comm.allreduce([fp], op="sum", tag="checkpoint", metered=False)
-    return fp.tolist()
+        state.comm.allreduce([values], op="sum", tag="checkpoint", metered=False)
+    return values.tolist()
+
+
+def _rank0_fingerprint(model, state) -> List[float]:
+    """Rank 0's :func:`_fingerprint` on every rank (the framework saves rank 0's weights); collective."""
+    return rank0_value(state, _fingerprint(model, state.comm.device))
 
 
 def save_ranks(folder: str, model, optimizer, state, step: int, keep: int = 0, where: Optional[str] = None) -> str:
@@ -144,7 +143,7 @@ def load_ranks(folder: str, model, optimizer, state, step: Optional[int], framew
     weights than the framework's checkpoint holds (another run's, or another checkpoint's: their fingerprint
     of rank 0's weights at the save differs from the weights the framework restored)."""
     root = where or os.path.join(folder, SUBDIR)
-    restored = weights_fingerprint(model, state)  # rank 0's, as the framework loaded them on every rank
+    restored = _fingerprint(model, state.comm.device).tolist()  # rank 0's, as the framework loaded them everywhere
     try:
         ck = load_checkpoint(root, model, optimizer, state, step=step)
     except CheckpointError as exc:

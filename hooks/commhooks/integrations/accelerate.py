@@ -87,25 +87,24 @@ def register(accelerator, model, optimizer, config, scaler=None):
     if not hasattr(state, "state_dict"):  # {"type": "none"}: DDP's allreduce, the ranks never differ
         return state
     module = ddp_model.module
-    loading = {}
 
     def save_every_rank(models, weights, output_dir):  # one checkpoint's worth per folder saved into
         save_ranks(output_dir, module, state.optimizers, state, state.step, keep=1)
 
-    def note_input_dir(models, input_dir):
-        loading["dir"] = input_dir
+    def load_every_rank() -> None:  # from the folder the last load_state read (noted by _note_loads)
+        folder = getattr(accelerator, _LOADED_FROM)
+        setattr(accelerator, _LOADED_FROM, None)
+        load_ranks(folder, module, state.optimizers, state, None, "Accelerate")
 
     accelerator.register_save_state_pre_hook(save_every_rank)
-    accelerator.register_load_state_pre_hook(note_input_dir)
     original_load = accelerator.load_state
 
     def load_state(*args, **kwargs):
         out = original_load(*args, **kwargs)  # rank 0's model and optimizer on every rank, the RNGs, the scheduler
-        load_ranks(loading["dir"], module, state.optimizers, state, None, "Accelerate")
+        load_every_rank()
         return out
 
     accelerator.load_state = load_state  # this accelerator only
     if loaded_from is not None:  # load_state ran before register: each rank's own state now
-        setattr(accelerator, _LOADED_FROM, None)
-        load_ranks(loaded_from, module, state.optimizers, state, None, "Accelerate")
+        load_every_rank()
     return state

@@ -43,7 +43,7 @@ from lightning.pytorch import Callback
 from .. import ddp as ddp_adapter
 from .. import facts, registry
 from ..config import ConfigError, load_config
-from ._common import SUBDIR, fill_schedule, load_ranks, lr_warmup_steps, save_ranks
+from ._common import SUBDIR, fill_schedule, load_ranks, lr_warmup_steps, rank0_value, save_ranks
 
 
 class CommHookCallback(Callback):
@@ -120,13 +120,11 @@ class CommHookCallback(Callback):
     # ------------------------------------------------------------ checkpoints
     def _run_folder(self, trainer) -> str:
         """This fit's folder of per-rank states: ``<checkpoint dir>/commhooks/run-<id>``, the id drawn by rank 0
-        at the first save and shared (an unmetered sum in which the other ranks add zeros)."""
+        at the first save and shared (:func:`rank0_value`)."""
         if self._run_id is None:
-            token = torch.tensor([float(random.SystemRandom().getrandbits(31)) if self.state.comm.rank == 0
-                                  else 0.0], dtype=torch.float64, device=self.state.comm.device)
-            if self.state.comm.size > 1:
-                self.state.comm.allreduce([token], op="sum", tag="checkpoint", metered=False)
-            self._run_id = f"run-{int(token.tolist()[0]):08x}"
+            token = torch.tensor([float(random.SystemRandom().getrandbits(31))], dtype=torch.float64,
+                                 device=self.state.comm.device)
+            self._run_id = f"run-{int(rank0_value(self.state, token)[0]):08x}"
         return os.path.join(self._root(trainer), SUBDIR, self._run_id)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
