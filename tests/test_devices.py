@@ -111,8 +111,9 @@ def _sync_marks(state) -> tuple:
     """What changes when a step takes part in a sync: the sync collectives issued, the in-flight syncs (one that
     lands on a later step is that sync's end)."""
     calls = sum(c["calls"] for key, c in state.meter.snapshot().items() if key.split("/")[2] not in GRAD_TAGS)
-    outer = getattr(state, "outer", None)
-    flights = tuple(sorted((k, f.sent_at) for k, f in outer.in_flight.items())) if outer is not None else ()
+    driver = getattr(state, "driver", None)
+    flights = tuple(sorted((k, f.flight.sent_at) for k, f in enumerate(driver.fragments) if f.flight)) if (
+        driver is not None) else ()
     return calls, flights
 
 
@@ -163,7 +164,7 @@ def _gpu_rules(rank, world, checkpoint_dir):
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         state = commhooks.ddp.register(net, opt, conf)
         _train(net, opt, state, 6, 0, rank, mode)  # fragment 0 sent at step 6, lands at 7: in flight
-        assert state.outer.in_flight
+        assert state.driver.in_flight
         commhooks.save_checkpoint(checkpoint_dir, net, opt, state)
         net2 = DDP(_model(), forward_sync_buffers=False)
         opt2 = torch.optim.SGD(net2.parameters(), lr=0.05, momentum=0.9)
@@ -217,12 +218,10 @@ def _tensors(obj):
 def _held(state):
     """Every tensor a state keeps: outer anchors, momentum, residuals, in-flight results, AB bases, entry."""
     found = []
-    outer = getattr(state, "outer", None)
-    if outer is not None:
-        for o in outer.outers:
-            found += [t for t in (o.anchor, o.buffer, o.residual) if t is not None]
-        for f in outer.in_flight.values():
-            found += [f.sent_from, *f.work.wait()]
+    for o in getattr(getattr(state, "driver", None), "fragments", []):
+        found += [t for t in (o.anchor, o.buffer, o.residual) if t is not None]
+        if o.flight is not None:
+            found += [o.flight.sent_from, *o.flight.work.wait()]
     for b in getattr(state, "bases", {}).values():
         found += [t for t in (b.a, b.b, b.s, b.residual) if t is not None]
     if getattr(state, "entry", None) is not None:

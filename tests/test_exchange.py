@@ -68,7 +68,7 @@ def _worker(rank, world):
             "payload": "int4", "payload_block": 32, "outer_lr": 0.7, "outer_momentum": 0.9}
     net, state, after_sync = _run(conf, 12, rank)
     resumed, _, _ = _run(conf, 12, rank, resume_at=7)
-    owner = state.transport.streams.outers[0].owner_feedback.value
+    owner = state.driver.fragments[0].owner_feedback.value
     out["ddp"] = {"tags": state.meter.by_tag(), "kinds": state.meter.snapshot(), "after_sync": after_sync,
                   "owner_residual": None if owner is None else float(owner.abs().max()),
                   "resume_exact": all(torch.equal(a, b) for a, b in zip(net.module.parameters(),
@@ -89,7 +89,7 @@ def _anchor(rank, same):
     net(torch.randn(4, 6)).sum().backward()
     opt.step()
     tags = state.meter.by_tag()
-    return start, state.transport.streams.outers[0].anchor.clone(), tags.get("anchor", 0), tags.get("start", 0)
+    return start, state.driver.fragments[0].anchor.clone(), tags.get("anchor", 0), tags.get("start", 0)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import commhooks
 from commhooks.algorithms import payload
 from commhooks.algorithms.alignment import STEP_PROOF_BYTES
-from commhooks.algorithms.outer import OuterSync
+from commhooks.algorithms.sync import FragmentSync as OuterSync
 from commhooks.comm.torch_dist import TorchComm
 from commhooks.config import ConfigError, load_config
 from commhooks.algorithms.traffic import Send
@@ -111,7 +111,7 @@ def _worker(rank, world):
         conf = {"type": "qsr", "h_base": 3, "alpha": 0.0, "payload": codec, "error_feedback": True, "total_steps": 9}
         weights, state = _qsr_run(conf, 9)
         out[codec] = {"tags": state.meter.by_tag(), "numel": numel, "syncs": state.syncs,
-                      "residual": state.outer.outers[0].residual.clone(), "weights": weights}
+                      "residual": state.driver.fragments[0].residual.clone(), "weights": weights}
     # 4. exact resume mid-round, with momentum and error feedback state
     conf = {"type": "qsr", "h_base": 3, "alpha": 0.0, "outer_lr": 0.7, "outer_momentum": 0.9, "payload": "int8",
             "error_feedback": True, "total_steps": 12}

@@ -153,7 +153,7 @@ def _through_ddp(rank, world):
         _, state, after_sync = _run(conf, 12, rank)
         out[name] = {"after_sync": after_sync, "sync_bytes": state.meter.by_tag().get("sync", 0)}
     # error feedback: after a sync the residual is exactly what the codec lost of that sync's pseudo-gradient
-    from commhooks.algorithms.outer import OuterSync
+    from commhooks.algorithms.sync import FragmentSync as OuterSync
     from commhooks.comm.torch_dist import TorchComm
 
     comm = TorchComm()

@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
 from commhooks.algorithms.alignment import STEP_PROOF_BYTES
-from commhooks.algorithms import pipeline
-from commhooks.algorithms.streaming import send_points, split_fragments
+from commhooks.algorithms import plan
+from commhooks.algorithms.plan import send_points, split_fragments
 from commhooks.config import ConfigError, load_config
 from tests.declared import declared
 from tests.dist import run_ranks
@@ -22,7 +22,7 @@ from tests.test_outer import SGD, _batch, _net, _qsr_run
 
 
 def _reference(steps, period, lr, mu, tau, frags, merge="progress", alpha=1.0):
-    """Streaming DiLoCo written out from the docstring of commhooks.algorithms.streaming, independently of
+    """Streaming DiLoCo written out from the docstring of commhooks.algorithms.sync, independently of
     it: fragments as equal element ranges of the flat model, sent after step ceil(period*(k+1)/frags) of
     each round, averaged by a hand-made all_gather, landing tau steps later (never after ``steps``); the
     last round ends with a blocking sync of every fragment."""
@@ -103,7 +103,7 @@ def _in_flight_trace(conf, steps):
         x, y = _batch(step, dist.get_rank())
         F.cross_entropy(net(x), y).backward()
         opt.step()
-        trace.append(sorted(state.outer.in_flight))
+        trace.append(sorted(state.driver.in_flight))
     return trace
 
 
@@ -117,7 +117,7 @@ def _forced_sync(conf, steps):
         x, y = _batch(step, dist.get_rank())
         F.cross_entropy(net(x), y).backward()
         opt.step()
-    before = (sorted(state.outer.in_flight), state.in_sync_at())
+    before = (sorted(state.driver.in_flight), state.in_sync_at())
     state.sync()
     return before, state.in_sync_at(), torch.cat([p.detach().reshape(-1) for p in net.parameters()])
 
@@ -159,9 +159,9 @@ def _worker(rank, world):
         x, y = _batch(step, dist.get_rank())
         F.cross_entropy(net(x), y).backward()
         opt.step()
-    out["late_total"] = (state.in_sync_at(), sorted(state.outer.in_flight),
+    out["late_total"] = (state.in_sync_at(), sorted(state.driver.in_flight),
                          torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
-    # the timeline of the pipeline's docstring, as the DEBUG log of a run shows it
+    # the timeline of the plan's docstring, as the DEBUG log of a run shows it
     lines = []
     handler = logging.Handler(logging.DEBUG)
     handler.emit = lambda record: lines.append(record.getMessage())
@@ -201,9 +201,9 @@ def test_total_steps_filled_in_later_still_ends_the_run_synced(results):
 
 
 def _docstring_timeline():
-    """(optimizer step, "sent" / "landed", fragment) read off the table in commhooks.algorithms.pipeline's docstring
+    """(optimizer step, "sent" / "landed", fragment) read off the table in commhooks.algorithms.plan's docstring
     (a column's step: the header number above it; the next round's 1 is step 7)."""
-    table = [ln for ln in pipeline.__doc__.splitlines() if ln.strip().startswith(("step of round", "sent", "landed"))]
+    table = [ln for ln in plan.__doc__.splitlines() if ln.strip().startswith(("step of round", "sent", "landed"))]
     header = table[0]
     columns = {m.start(): int(m.group()) for m in re.finditer(r"\d+", header)}
     after_bar = header.index("|")

@@ -43,7 +43,7 @@ def _round_trip(rank, world, conf, save_at, directory):
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     state = commhooks.ddp.register(net, opt, conf)
     _run(net, opt, rank, device, 0, save_at)
-    in_flight = bool(getattr(state, "outer", None) and state.outer.in_flight)
+    in_flight = bool(getattr(state, "driver", None) and state.driver.in_flight)
     phase = getattr(state, "phase", None)
     commhooks.save_checkpoint(directory, net, opt, state)
     _run(net, opt, rank, device, save_at, STEPS)

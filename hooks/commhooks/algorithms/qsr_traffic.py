@@ -16,117 +16,78 @@ Registered with the algorithm (``register_algorithm(QSRConfig, QSRState, traffic
   DDP and Horovod's ``broadcast_parameters`` see to it), the anchor once at the first step (``anchor``, ``4 x`` the synced
   elements); hierarchical: each landed fragment shared in the group.
 
-The schedule (the rule's periods from ``setting.lr``; fragments' send points, overlapped syncs landing
-``overlap_steps`` later and the last round's blocking sync of every fragment, from the state's own
-:class:`~commhooks.algorithms.pipeline.RoundSchedule`) is simulated as the state runs it.
+The plan (groups, parts, outer step or plain mean, fragment sizes) and each step's events (what lands, what is
+sent, when a round ends) are the state's own: :class:`~commhooks.algorithms.plan.SyncPlan` and
+:func:`~commhooks.algorithms.plan.step_events`; the rule's periods come from ``setting.lr``.  Nothing here
+simulates the schedule a second time: each event is mapped to the calls it makes.
 """
 
 from __future__ import annotations
 
 from typing import Dict, List
 
-from . import replicas
-from .pipeline import RoundSchedule
-from .traffic import Send, Setting, Traffic, averaged, body_sends, runs
+from .plan import SyncPlan, runs, step_events
+from .qsr_config import qsr_period
+from .traffic import Send, Setting, Traffic, averaged, body_sends
 
 
 def qsr_traffic(config, setting: Setting) -> Traffic:
     """The traffic of ``config`` (a validated ``QSRConfig``) for one rank in ``setting``."""
-    from .qsr import qsr_period
+    c, s, n = config, setting, setting.numel
 
-    c, s = config, setting
-    size = replicas.resolve_size(c.group_size, s.world, s.local_world)
-    groups = replicas.contiguous_groups(size, s.world, "qsr.group_size")
-    mine = groups[replicas.group_of(groups, s.rank)]
-    n = s.numel
-    engine_dp = s.engine_data_parallel and len(mine) > 1
-    hierarchical = c.hierarchical and len(mine) > 1 and not engine_dp
-    sharded = hierarchical or engine_dp  # a rank syncs its part with the same part of the other groups
-    part = runs(n, len(mine))[mine.index(s.rank)] if sharded else n
-    scope = "across" if sharded else "world"
+    def plan_for(numel: int) -> SyncPlan:
+        return SyncPlan.build(c, s.world, s.rank, s.local_world, s.engine_data_parallel, numel, s.outer_optimizer)
+
+    plan = plan_for(n)
+    if plan.engine_sharded:  # the engine hands over its shard: an equal run of the replica's parameters
+        plan = plan_for(runs(n, len(plan.members))[plan.member])
+    part, scope, mine, frags = plan.part_numel, plan.scope, plan.members, plan.fragment_numels
     buffers = s.buffers if c.average_buffers else 0
     moments = s.moments if c.average_optimizer_state else 0
     every_step = (Send("allreduce", s.element_bytes * n, "group-grad", "group"),) if (
-        len(mine) > 1 and not engine_dp) else ()
+        len(mine) > 1 and not plan.engine_sharded) else ()
 
     def share(numel: int) -> List[Send]:
-        return [Send("broadcast", 4 * numel, "share-part", "group")] if hierarchical else []
+        return [Send("broadcast", 4 * numel, "share-part", "group")] if plan.hierarchical else []
 
+    world_buffers = averaged(buffers, s, "sync-buffers", "world") if buffers else []
+    if not plan.outer_step:  # one call, landing at once: the parameters' part (+ moments) across, shared in the
+        # group, buffers over the world; or everything over the world
+        sent = [averaged(part + moments, s, "sync", scope) + share(part) if plan.sharded else
+                averaged(n + buffers + moments, s, "sync", scope)]
+        landed: List[List[Send]] = [[]]
+        ended = world_buffers if plan.sharded else []
+        sync = sent[0] + ended
+    else:  # per fragment: its payload when sent, the two-step exchange's second half and the share when it lands
+        tags = ["sync"] if len(frags) == 1 else [f"sync-f{k}" for k in range(len(frags))]
+        size = len(plan.groups) if plan.sharded else s.world
+        body = [body_sends(c.codec, f, s.proof_bytes, tag, scope, size) for f, tag in zip(frags, tags)]
+        sent = [b[0] for b in body]
+        landed = [b[1] + share(f) for b, f in zip(body, frags)]
+        ended = world_buffers + (averaged(moments, s, "sync-moments", scope) if moments else [])
+        sync = [x for k in range(len(frags)) for x in sent[k] + landed[k]] + ended
     timeline: List[List[Send]] = [list(every_step) for _ in range(s.steps)]
     sync_steps: List[int] = []
-
-    def after_sync_extras() -> List[Send]:
-        out = []
-        if buffers:
-            out += averaged(buffers, s, "sync-buffers", "world")
-        if moments:
-            out += averaged(moments, s, "sync-moments", scope)
-        return out
-
-    if not c.pseudo_gradient:
-        if sharded:  # parameters' part (+ moments, whole) across, shared in the group, buffers over the world
-            sync = averaged(part + moments, s, "sync", scope) + share(part) + (
-                averaged(buffers, s, "sync-buffers", "world") if buffers else [])
-        else:
-            sync = averaged(n + buffers + moments, s, "sync", scope)
-        h, since = None, 0
-        for t in range(s.steps):
-            if h is None:
-                h = qsr_period(t, s.lr(t), c)
-            since += 1
-            if since >= h:
-                timeline[t] += sync
+    in_flight: Dict[int, int] = {}
+    h, since = None, 0
+    for t in range(s.steps):
+        if t == 0 and plan.outer_step and (plan.engine_sharded or not s.same_start):  # the anchor: the group's
+            # mean, fragment by fragment (ranks that start equal keep their own; a ZeRO shard is never the same)
+            timeline[t] += [Send("allreduce", 4 * f, "anchor", scope) for f in frags] + share(part)
+        if h is None:
+            h = qsr_period(t, s.lr(t), c)
+        since += 1
+        for event in step_events(t + 1, since, h, in_flight, c):
+            if event.kind == "send":
+                timeline[t] += sent[event.fragment]
+                in_flight[event.fragment] = event.at
+            elif event.kind == "land":
+                timeline[t] += landed[event.fragment]
+                in_flight.pop(event.fragment)
+            elif event.kind == "end":
+                timeline[t] += ended
                 sync_steps.append(t + 1)
                 h, since = None, 0
-    else:
-        frags = runs(part, c.fragments)
-        codec = c.codec
-        tags = ["sync"] if c.fragments == 1 else [f"sync-f{k}" for k in range(c.fragments)]
-        schedule = RoundSchedule(c)
-        in_flight: Dict[int, int] = {}  # fragment -> step it lands at
-        exchange_size = len(groups) if sharded else s.world
-        body = [body_sends(codec, f, s.proof_bytes, tag, scope, exchange_size) for f, tag in zip(frags, tags)]
-
-        def land(k: int, t: int) -> None:
-            in_flight.pop(k)
-            timeline[t] += body[k][1] + share(frags[k])
-
-        def send(k: int, t: int, step: int, blocking: bool) -> None:
-            if k in in_flight:
-                land(k, t)
-            apply_at = schedule.lands_at(step, blocking)
-            timeline[t] += body[k][0]
-            in_flight[k] = apply_at
-            if apply_at <= step:
-                land(k, t)
-
-        sync = [x for sent, landed in body for x in sent + landed]
-        sync += [x for f in frags for x in share(f)] + after_sync_extras()
-        h, since = None, 0
-        for t in range(s.steps):
-            step = t + 1
-            if t == 0 and (engine_dp or not s.same_start):  # the anchor: the group's mean of what this rank syncs,
-                # fragment by fragment (ranks that start equal keep their own; a ZeRO shard is never the same)
-                timeline[t] += [Send("allreduce", 4 * f, "anchor", scope) for f in frags] + share(part)
-            if h is None:
-                h = qsr_period(t, s.lr(t), c)
-            since += 1
-            for k in sorted(k for k, at in in_flight.items() if at <= step):
-                land(k, t)
-            if since >= h:
-                blocking = schedule.ends_run(step)
-                if blocking:
-                    for k in sorted(in_flight):
-                        land(k, t)
-                due = range(c.fragments) if blocking else schedule.sends(h, h)
-                for k in due:
-                    send(k, t, step, blocking)
-                timeline[t] += after_sync_extras()
-                sync_steps.append(step)
-                h, since = None, 0
-            else:
-                for k in schedule.sends(since, h):
-                    send(k, t, step, False)
-    size_of = {"world": s.world, "group": len(mine), "across": len(groups)}
+    size_of = {"world": s.world, "group": len(mine), "across": len(plan.groups)}
     kept = lambda calls: tuple(x for x in calls if size_of[x.scope] > 1)  # noqa: E731  (groups of one: no call)
     return Traffic([kept(calls) for calls in timeline], kept(every_step), kept(sync), sync_steps, group=len(mine))

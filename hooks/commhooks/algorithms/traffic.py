@@ -64,7 +64,8 @@ class Setting:
     parameter for Adam, 1 for SGD with momentum).  ``element_bytes``: of the parameters and gradients.
     ``proof_bytes``: the step proof every sync carries (older recorded runs: 36).  ``engine_data_parallel``: an
     engine averages inside each replica group itself and hands over its shard (DeepSpeed ZeRO).
-    ``factor_ranks`` (AB): the rank of each compressed layer (None: kept dense), one mapping for every AB
+    ``outer_optimizer`` (QSR): a torch optimizer takes the outer step (``QSRState(outer_optimizer=...)``, Python
+    only; a sync is then an outer step whatever the config).  ``factor_ranks`` (AB): the rank of each compressed layer (None: kept dense), one mapping for every AB
     phase or a list, one per phase; AB's ranks come from the data, so without them AB declares a bound.
     ``same_start``: every rank starts from the same weights (DDP broadcasts them; runs recorded before
     2026-12-05 averaged them anyway: False)."""
@@ -80,6 +81,7 @@ class Setting:
     element_bytes: int = 4
     proof_bytes: int = STEP_PROOF_BYTES
     engine_data_parallel: bool = False
+    outer_optimizer: bool = False
     factor_ranks: Optional[object] = None
     same_start: bool = True
 
@@ -176,13 +178,6 @@ def averaged(numel: int, setting: Setting, tag: str, scope: str) -> List[Send]:
         return [Send("allreduce", setting.proof_bytes + 4 * numel, tag, scope)]
     return [Send("allreduce", setting.element_bytes * numel, tag, scope),
             Send("allreduce", setting.proof_bytes, tag, scope)]
-
-
-def runs(total: int, count: int) -> List[int]:
-    """Lengths of ``count`` equal runs of ``total`` elements
-    (:func:`~commhooks.algorithms.streaming.split_fragments`)."""
-    edges = [total * k // count for k in range(count + 1)]
-    return [b - a for a, b in zip(edges[:-1], edges[1:])]
 
 
 def describe(traffic: Traffic) -> str:

@@ -53,7 +53,7 @@ from ..averaging import clear_optimizer_state
 from ..base import AlgorithmState
 from ..helpers import tensors_to, user_stacklevel
 from ..reporting import size
-from ..outer import OuterSync
+from ..sync import compressed_mean
 from . import transitions
 from .groups import make_groups
 from .lowrank import Basis, compression_ratio, tall_view
@@ -119,9 +119,7 @@ class ABState(AlgorithmState):
         self.bases: Dict[str, Basis] = {}  # compressed weights of the current AB phase
         self.ranks: Dict[str, Optional[int]] = {}  # rank per candidate at the last entry (None: kept dense)
         self.entry: Optional[torch.Tensor] = None  # compressed payload: the synced tensors as the AB phase began
-        # the compressed sync: an outer step of lr 1 without momentum from ``entry`` (its buffers reused)
-        self.changes = OuterSync(1.0, 0.0, False, self.config.codec, self.config.payload_block,
-                                 error_feedback=False, keep_sent_from=False)
+        self.sync_buffers: Dict[str, torch.Tensor] = {}  # the compressed sync's send buffers, reused
 
     def describe(self) -> dict:
         return {"groups": self.group_ranks}
@@ -254,12 +252,10 @@ class ABState(AlgorithmState):
 
     def _average_changes(self, tensors: List[torch.Tensor]) -> None:
         """The world mean of ``tensors`` as the phase's start minus the mean of the ranks' changes since then,
-        the changes sent compressed (``payload``) with the step proof: an outer step of lr 1 without momentum
-        from the phase's start (the :class:`~commhooks.algorithms.outer.OuterSync` QSR's pipeline steps)."""
-        self.changes.anchor = self.entry
+        the changes sent compressed (``payload``) with the step proof (:func:`~.sync.compressed_mean`)."""
         with self.collective_context():
-            proofs = self.changes.sync(self.comm, tensors, self.step_proof(), tag="sync", seed=self.rounding_seed())
-        self.changes.anchor = None
+            proofs = compressed_mean(self.comm, tensors, self.entry, self.config.codec, self.step_proof(),
+                                     self.sync_buffers, tag="sync", seed=self.rounding_seed())
         self.check_proof(proofs, None, "sync")
 
     def parameters_added(self, new) -> None:
@@ -319,7 +315,7 @@ class ABState(AlgorithmState):
         size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
         out = {"ab_bases": sum(size(b.a) + size(b.b) + size(b.s) for b in self.bases.values()),
                "ab_residuals": sum(size(b.residual) for b in self.bases.values()),
-               "ab_phase_start": size(self.entry), **self.changes.memory()}
+               "ab_phase_start": size(self.entry), "sync_buffers": sum(map(size, self.sync_buffers.values()))}
         return {k: v for k, v in out.items() if v}
 
     def status(self) -> str:
