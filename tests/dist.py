@@ -29,16 +29,10 @@ COLLECTIVE_TIMEOUT_S = 60
 
 
 def _entry(fn, rank, world, port, outdir, kwargs, env, backend, device_id):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-        **(env(rank) if callable(env) else env),
-    )
+    os.environ.update({  # a launcher's variables for one node; ``env`` may override any (nodes of fewer ranks)
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
+        **(env(rank) if callable(env) else env)})
     torch.set_num_threads(1)
     import torch.distributed as dist
 

@@ -31,6 +31,28 @@ from .qsr_config import QSRConfig, qsr_period
 from .sync import SyncDriver
 
 
+def check_layout(config, named_params, hierarchical: bool) -> None:
+    """Local checks of ``hierarchical`` / ``fragments`` / ``overlap_steps`` against the tensors: a part or a
+    fragment is a view of contiguous parameters (ConfigError on every rank alike); an overlap as long as the
+    shortest period hides less than asked (a warning)."""
+    c = config
+    numel = sum(p.numel() for _, p in named_params)
+    if 1 < c.fragments > numel:
+        raise ConfigError(f"qsr.fragments must be <= the {numel} synced elements, got {c.fragments}")
+    bent = [n for n, p in named_params if not p.is_contiguous()]
+    for needed, what, piece, instead in ((hierarchical, "qsr.hierarchical", "a rank's part", "hierarchical false"),
+                                         (c.fragments > 1, "qsr.fragments > 1", "a fragment", "fragments 1")):
+        if needed and bent:
+            raise ConfigError(f"{what} needs contiguous parameters ({piece} is a view of them); not contiguous: "
+                              f"{bent[:4]} (e.g. channels_last): use {instead}")
+    if c.overlap_steps >= c.h_base:
+        warnings.warn(
+            f"QSR: overlap_steps={c.overlap_steps} >= h_base={c.h_base}: at periods of {c.overlap_steps} steps or "
+            "fewer a sync is still in flight when the next one is due, so it lands first (the rank waits for it) "
+            f"and the overlap hides less than asked; use overlap_steps < h_base (e.g. {max(1, c.h_base // 2)})",
+            stacklevel=user_stacklevel())
+
+
 class QSRState(AlgorithmState):
     """Hook state for QSR-gated local SGD.
 
@@ -88,12 +110,10 @@ class QSRState(AlgorithmState):
         self.H: Optional[int] = None  # chosen at the first step of each round
         self._previous_lr: Optional[float] = None
         self._warned = set()  # warnings given once: "rising"
-        if self.plan.hierarchical:
-            self._require_contiguous("qsr.hierarchical needs", "a rank's part", "hierarchical false")
+        check_layout(c, self.named_params, self.plan.hierarchical)
         self.driver = SyncDriver(self, self.plan, self._params, self._buffers, self._moments, c, self.outer_optimizer)
         self._lr_sums = [0.0] * c.fragments
         self._complete_at: Optional[int] = None  # last step after which every rank held the same weights
-        self._check_streaming()
         if self.engine.buffers_synced_each_forward and float_buffers(self.module):
             warnings.warn(
                 "the DDP model re-broadcasts buffers from rank 0 on every forward "
@@ -102,13 +122,6 @@ class QSRState(AlgorithmState):
                 "(torch>=2.13) or broadcast_buffers=False, QSR averages buffers at each sync",
                 stacklevel=user_stacklevel(),
             )
-
-    def _require_contiguous(self, what: str, piece: str, instead: str) -> None:
-        """ConfigError naming the non-contiguous parameters: ``piece`` would be a view of them."""
-        bent = [n for n, p in self.named_params if not p.is_contiguous()]
-        if bent:
-            raise ConfigError(f"{what} contiguous parameters ({piece} is a view of them); not contiguous: "
-                              f"{bent[:4]} (e.g. channels_last): use {instead}")
 
     def _params(self) -> List[torch.Tensor]:
         return [p for _, p in self.named_params]
@@ -123,21 +136,6 @@ class QSRState(AlgorithmState):
             return []
         params = self._params()
         return [m for opt in self.optimizers for m in optimizer_moments(opt, params, self.engine.master_slices)]
-
-    def _check_streaming(self) -> None:
-        """Local checks of overlap_steps / fragments against the tensors (ConfigError on every rank alike)."""
-        c = self.config
-        if c.fragments > 1:
-            numel = sum(p.numel() for _, p in self.named_params)
-            if c.fragments > numel:
-                raise ConfigError(f"qsr.fragments must be <= the {numel} synced elements, got {c.fragments}")
-            self._require_contiguous("qsr.fragments > 1 needs", "a fragment", "fragments 1")
-        if c.overlap_steps >= c.h_base:
-            warnings.warn(
-                f"QSR: overlap_steps={c.overlap_steps} >= h_base={c.h_base}: at periods of {c.overlap_steps} steps or "
-                "fewer a sync is still in flight when the next one is due, so it lands first (the rank waits for it) "
-                f"and the overlap hides less than asked; use overlap_steps < h_base (e.g. {max(1, c.h_base // 2)})",
-                stacklevel=user_stacklevel())
 
     def validate(self) -> None:
         c = self.config

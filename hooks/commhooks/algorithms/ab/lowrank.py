@@ -14,7 +14,7 @@ middle factor (m x k, or k x n) crosses the network.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -118,3 +118,35 @@ def basis_from_svd(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor, k: int, d
     """``A = U_k sqrt(S_k)``, ``B = sqrt(S_k) Vh_k``, in the weight's dtype."""
     root = s[:k].sqrt()
     return Basis(a=(u[:, :k] * root).to(dtype), b=(root[:, None] * vh[:k]).to(dtype), s=s[:k].to(dtype))
+
+
+def layer_compression(params, ranks) -> Tuple[List[dict], int, int]:
+    """Per layer of ``params`` (name -> tensor) at ``ranks`` (name -> rank, None or absent: dense): name, shape,
+    rank and compression; and the parameters of the dense model and of the factorised one (their ratio is the
+    paper's headline metric, 44.14:1 for VGG16)."""
+    layers, stored, total = [], 0, 0
+    for name, p in params.items():
+        total += p.numel()
+        k = ranks.get(name)
+        if k is None:
+            stored += p.numel()
+            if p.ndim >= 2:
+                layers.append({"name": name, "shape": list(p.shape), "rank": None, "compression": 1.0})
+            continue
+        m, n = tall_view(p.data)[0].shape
+        stored += (m + n) * k
+        layers.append({"name": name, "shape": list(p.shape), "rank": k,
+                       "compression": round(compression_ratio(m, n, k), 2)})
+    return layers, total, stored
+
+
+def format_layers(report: dict) -> List[str]:
+    """The layer table and the overall compression of an AB ``report()``, as lines."""
+    lines = []
+    for layer in report["layers"]:
+        k = "dense" if layer["rank"] is None else f"rank {layer['rank']}"
+        lines.append(f"  {layer['name']:<28} {str(tuple(layer['shape'])):<18} {k:<10} {layer['compression']:>7.2f}:1")
+    lines.append(f"  overall parameter compression {report['compression']:.2f}:1 "
+                 f"({report['params_dense']} -> {report['params_factored']})")
+    return lines
+

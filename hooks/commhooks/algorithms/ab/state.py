@@ -40,25 +40,44 @@ Put the classifier head and embeddings in ``full_rank`` if accuracy drops.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
 from ...comm import Work
 from ...comm.base import flatten
-from ...config import ConfigError
 from ..averaging import clear_optimizer_state
 from ..base import AlgorithmState
-from ..helpers import tensors_to, user_stacklevel
+from ..helpers import tensors_to
 from ..reporting import size
 from ..sync import compressed_mean
 from . import transitions
 from .groups import make_groups
-from .lowrank import Basis, compression_ratio, tall_view
+from .lowrank import Basis, format_layers, layer_compression, tall_view
 from .rebound import LRRebound
 from .schedule import AB, ENTER, SYNC, Clock, ab_phase_length, apply, events_before, needs_length
+
+
+def _optimizer_and_model(args, model, optimizer, kwargs):
+    """``ABState(optimizer, model=model, ...)``'s arguments, and the order before 2026-12-05 (a
+    DeprecationWarning); TypeError naming the right call otherwise."""
+    if args and isinstance(args[0], torch.nn.Module):  # ABState(model, optimizer, ...): before 2026-12-05
+        if model is not None or len(args) + (optimizer is not None) != 2:
+            raise TypeError("ABState(optimizer, model=model, ...): the optimizer first, the model by keyword")
+        warnings.warn("ABState(model, optimizer, ...) is deprecated: write ABState(optimizer, model=model, ...), "
+                      "as every commhooks state takes them", DeprecationWarning, stacklevel=3)
+        model, optimizer = args[0], args[1] if len(args) == 2 else optimizer
+    elif len(args) > 1 or (args and optimizer is not None):
+        raise TypeError(f"ABState takes one positional argument, the optimizer (got {len(args)}): "
+                        "ABState(optimizer, model=model, ...)")
+    elif args:
+        optimizer = args[0]
+    if optimizer is None:
+        raise TypeError("ABState needs the optimizer: ABState(optimizer, model=model, ...)")
+    if model is None and kwargs.get("named_parameters") is None and kwargs.get("engine") is None:
+        raise ValueError("ABState needs the model or its named_parameters")
+    return optimizer, model
 
 
 class ABState(AlgorithmState):
@@ -86,21 +105,7 @@ class ABState(AlgorithmState):
         return len(self.group_ranks) > 1
 
     def __init__(self, *args, model: Optional[torch.nn.Module] = None, optimizer=None, **kwargs):
-        if args and isinstance(args[0], torch.nn.Module):  # ABState(model, optimizer, ...): before 2026-12-05
-            if model is not None or len(args) + (optimizer is not None) != 2:
-                raise TypeError("ABState(optimizer, model=model, ...): the optimizer first, the model by keyword")
-            warnings.warn("ABState(model, optimizer, ...) is deprecated: write ABState(optimizer, model=model, ...), "
-                          "as every commhooks state takes them", DeprecationWarning, stacklevel=2)
-            model, optimizer = args[0], args[1] if len(args) == 2 else optimizer
-        elif len(args) > 1 or (args and optimizer is not None):
-            raise TypeError(f"ABState takes one positional argument, the optimizer (got {len(args)}): "
-                            "ABState(optimizer, model=model, ...)")
-        elif args:
-            optimizer = args[0]
-        if optimizer is None:
-            raise TypeError("ABState needs the optimizer: ABState(optimizer, model=model, ...)")
-        if model is None and kwargs.get("named_parameters") is None and kwargs.get("engine") is None:
-            raise ValueError("ABState needs the model or its named_parameters")
+        optimizer, model = _optimizer_and_model(args, model, optimizer, kwargs)
         super().__init__(optimizer, model=model, **kwargs)
 
     # ------------------------------------------------------------------ set-up
@@ -110,7 +115,7 @@ class ABState(AlgorithmState):
 
     def validate(self) -> None:
         self._param = dict(self.named_params)
-        self.candidates = self._compressible()
+        self.candidates = transitions.compressible(self.named_params, self.config.full_rank)
 
     def setup(self) -> None:
         self.group_ranks, self.group_roles = make_groups(self.config, self.comm.size, self.engine.local_world_size)
@@ -133,16 +138,6 @@ class ABState(AlgorithmState):
     def begin(self) -> None:
         """The first phase (with ``warmup_steps`` 0, the first basis), from the start every rank shares."""
         self._advance()
-
-    def _compressible(self) -> List[Tuple[str, torch.Tensor]]:
-        named, patterns = self.named_params, self.config.full_rank
-        for pat in patterns:
-            if not any(fnmatch.fnmatchcase(n, pat) for n, _ in named):
-                sample = ", ".join(n for n, _ in named[:8])
-                raise ConfigError(
-                    f"ab.full_rank pattern {pat!r} matches no parameter (fnmatch on names such as {sample})"
-                )
-        return [(n, p) for n, p in named if p.ndim >= 2 and not any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
 
     @property
     def phase(self) -> str:
@@ -212,25 +207,12 @@ class ABState(AlgorithmState):
         self.bases, self.ranks = transitions.enter(self.comm, self.candidates, self.config, keep_residual,
                                                    f"before step {self.step}", untruncated)
         if first and not self.bases:
-            self._warn_nothing_compressed()
+            transitions.warn_nothing_compressed(self.step, self.candidates, self.config)
         clear_optimizer_state(self.optimizer, [self._param[n] for n in self.bases], self.engine.master_slices)
         self.tensors_changed()
         if self.config.payload != "fp32":  # identical on every rank now: the reference of the sync's deltas
             tensors = transitions.phase_start_tensors(self._param, self.bases, self.config.sync)
             self.entry = flatten([t.detach().float() for t in tensors]).clone()
-
-    def _warn_nothing_compressed(self) -> None:
-        """AB's first basis kept every layer dense: AB then runs as local SGD with group averaging."""
-        if not self.candidates:
-            why = "no parameter is a matrix outside full_rank"
-        else:
-            why = (f"at rank_cutoff={self.config.rank_cutoff} no layer's compression reached min_compression_rate="
-                   f"{self.config.min_compression_rate} (the weights' singular values have not fallen yet)")
-        warnings.warn(
-            f"AB: the first basis (step {self.step}) compresses no layer: {why}. AB then sends full-size tensors "
-            "inside its groups (local SGD with group averaging, no compression). Lengthen warmup_steps so the "
-            "spectra fall, raise rank_cutoff, or lower min_compression_rate; state.report()['layers'] shows each "
-            "layer's rank", stacklevel=user_stacklevel())
 
     def sync(self) -> None:
         """Average the groups' models over the world, leave AB, clear optimizer state."""
@@ -286,19 +268,7 @@ class ABState(AlgorithmState):
         dense model over parameters of the factorised one (44.14:1 for VGG16).
         Ranks are those of the latest AB entry.
         """
-        layers, stored, total = [], 0, 0
-        for name, p in self._param.items():
-            total += p.numel()
-            k = self.ranks.get(name)
-            if k is None:
-                stored += p.numel()
-                if p.ndim >= 2:
-                    layers.append({"name": name, "shape": list(p.shape), "rank": None, "compression": 1.0})
-                continue
-            m, n = tall_view(p.data)[0].shape
-            stored += (m + n) * k
-            layers.append({"name": name, "shape": list(p.shape), "rank": k,
-                           "compression": round(compression_ratio(m, n, k), 2)})
+        layers, total, stored = layer_compression(self._param, self.ranks)
         return {
             "phase": self.phase,
             "role": self.role,
@@ -324,11 +294,8 @@ class ABState(AlgorithmState):
 
     def format_report(self) -> str:
         r = self.report()
-        lines = [f"AB report: step {r['step']}, phase {r['phase']}, role {r['role']} in group {r['group']}"]
-        for layer in r["layers"]:
-            k = "dense" if layer["rank"] is None else f"rank {layer['rank']}"
-            lines.append(f"  {layer['name']:<28} {str(tuple(layer['shape'])):<18} {k:<10} {layer['compression']:>7.2f}:1")
-        lines.append(f"  overall parameter compression {r['compression']:.2f}:1 ({r['params_dense']} -> {r['params_factored']})")
+        lines = [f"AB report: step {r['step']}, phase {r['phase']}, role {r['role']} in group {r['group']}",
+                 *format_layers(r)]
         lines.append("  bytes by phase: " + ", ".join(f"{t}={size(b)}" for t, b in sorted(r["bytes_by_tag"].items())))
         return "\n".join(lines)
 

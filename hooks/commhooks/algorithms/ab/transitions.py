@@ -7,12 +7,16 @@ the sync.
 
 from __future__ import annotations
 
+import fnmatch
+import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ...comm import Comm
+from ...config import ConfigError
 from ..consistency import nonfinite_anywhere, spread_over_ranks
+from ..helpers import user_stacklevel
 from .config import ABConfig
 from .lowrank import Basis, basis_from_svd, compression_ratio, rank_of, svd, tall_view
 
@@ -100,3 +104,28 @@ def phase_start_tensors(params: Dict[str, torch.Tensor], bases: Dict[str, Basis]
     if mode == "full" or not bases:
         return list(params.values())
     return [t for b in bases.values() for t in (b.a, b.b)] + [p for n, p in params.items() if n not in bases]
+
+
+def compressible(named: Sequence[Tuple[str, torch.Tensor]], patterns: Sequence[str]) -> List[Tuple[str, torch.Tensor]]:
+    """The matrices AB may factorise: every parameter of 2 or more dimensions whose name matches none of the
+    ``full_rank`` patterns (fnmatch); ConfigError naming a pattern that matches no parameter at all."""
+    for pat in patterns:
+        if not any(fnmatch.fnmatchcase(n, pat) for n, _ in named):
+            sample = ", ".join(n for n, _ in list(named)[:8])
+            raise ConfigError(f"ab.full_rank pattern {pat!r} matches no parameter (fnmatch on names such as {sample})")
+    return [(n, p) for n, p in named if p.ndim >= 2 and not any(fnmatch.fnmatchcase(n, pat) for pat in patterns)]
+
+
+def warn_nothing_compressed(step: int, candidates, config: ABConfig) -> None:
+    """AB's first basis kept every layer dense: AB then runs as local SGD with group averaging."""
+    if not candidates:
+        why = "no parameter is a matrix outside full_rank"
+    else:
+        why = (f"at rank_cutoff={config.rank_cutoff} no layer's compression reached min_compression_rate="
+               f"{config.min_compression_rate} (the weights' singular values have not fallen yet)")
+    warnings.warn(
+        f"AB: the first basis (step {step}) compresses no layer: {why}. AB then sends full-size tensors "
+        "inside its groups (local SGD with group averaging, no compression). Lengthen warmup_steps so the "
+        "spectra fall, raise rank_cutoff, or lower min_compression_rate; state.report()['layers'] shows each "
+        "layer's rank", stacklevel=user_stacklevel())
+
