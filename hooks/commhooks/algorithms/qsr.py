@@ -50,7 +50,6 @@ import torch
 from pydantic import Field
 from typing_extensions import Annotated
 
-from ..registry import register_algorithm
 from .averaging import float_buffers, optimizer_moments
 from ..comm import Group
 from . import replicas, run_end
@@ -471,6 +470,3 @@ class QSRState(AlgorithmState):
 
     def __repr__(self) -> str:
         return f"QSRState(step={self.step}, since_sync={self.since_sync}, H={self.H}, syncs={self.syncs})"
-
-
-register_algorithm(QSRConfig, QSRState, traffic="commhooks.algorithms.qsr_traffic:qsr_traffic")
