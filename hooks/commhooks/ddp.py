@@ -32,13 +32,10 @@ from . import facts, registry
 from .comm import Comm
 from .config import ConfigError, load_config
 
-
-def buffers_broadcast_each_forward(model) -> bool:
-    """Whether a DDP model re-broadcasts buffers on every forward (both torch spellings)."""
-    flag = getattr(model, "forward_sync_buffers", None)
-    if flag is None:
-        flag = getattr(model, "broadcast_buffers", False)
-    return bool(flag)
+# DDP's fact readers live in commhooks.facts, below the algorithms (a state built by hand needs them); here they
+# keep their old names
+buffers_broadcast_each_forward = facts.buffers_broadcast_each_forward
+include_in_join = facts.include_in_join
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -101,52 +98,11 @@ def allreduce_hook(state: AllreduceState, bucket: dist.GradBucket) -> torch.futu
 
 def _check_ddp(ddp_model) -> None:
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
-        from .config import ConfigError
-
         raise ConfigError(
             f"commhooks.ddp.register needs the DistributedDataParallel model, got {type(ddp_model).__name__}: frameworks "
             "keep it apart from your module (Accelerate: what accelerator.prepare(model) returned; Hugging Face "
             "Trainer: trainer.model_wrapped, or use commhooks.integrations.transformers.CommHookCallback; Lightning: "
             "trainer.strategy.model, or use commhooks.integrations.lightning.CommHookCallback)")
-
-
-def include_in_join(ddp_model, state) -> None:
-    """Make PyTorch's own idiom ``with ddp_model.join():`` include the state (as ``Join([ddp_model, state])``),
-    however the state was built (the engine facts of a DDP model call it once the state is built: through
-    :func:`register`, and on the two-line route ``QSRState(optimizer, model=ddp_model)`` +
-    ``ddp_model.register_comm_hook(state, commhooks.comm_hook)``):
-    a rank out of data then shadows the syncs too, instead of leaving the others' collectives unpaired.
-
-    And end a Join context with the state first: DDP's own Join post-hook broadcasts the last joiner's model to
-    every rank (DDP's ranks agree anyway).  Between syncs each rank's model is its own, so that broadcast would
-    throw away the other ranks' progress since the last sync, at every per-epoch ``with ddp_model.join():``.
-    The state ends the context first (a sync if a rank ran out of data early); DDP's broadcast then runs only
-    when the ranks agree (a no-op), and is skipped while a round is open."""
-    from torch.distributed.algorithms.join import Join
-
-    def join(divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False):
-        return Join([ddp_model, state], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
-
-    ddp_model.join = join  # an instance attribute: this model only
-    ddp_hook = ddp_model.join_hook
-    ddp_model.join_hook = lambda **kwargs: _StateEndsJoinFirst(ddp_hook(**kwargs), state)
-
-
-class _StateEndsJoinFirst:
-    """DDP's join hook, with the state's end of the context run before DDP's final broadcast."""
-
-    def __init__(self, ddp_hook, state):
-        self.ddp_hook, self.state = ddp_hook, state
-
-    def main_hook(self) -> None:
-        self.ddp_hook.main_hook()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        self.state.end_join()
-        self.state.join_ended_by_engine = True  # the state's own post-hook, next, has nothing left to do
-        if self.state.in_sync_at() == self.state.step:  # the same on every rank: all broadcast, or none
-            self.ddp_hook.post_hook(is_last_joiner)
 
 
 def register(ddp_model, optimizer, config, process_group=None, scaler=None, **state_options):

@@ -2,7 +2,7 @@
 
     commhooks.register_algorithm(MyConfig, MyState, traffic=my_traffic)
 
-``MyConfig`` is a :class:`~commhooks.config.HookConfig` subclass whose
+``MyConfig`` is a :class:`~commhooks.settings.HookConfig` subclass whose
 ``type`` field is ``Literal["my-name"]``; ``MyState`` a
 :class:`~commhooks.algorithms.base.AlgorithmState` subclass.  From then on
 ``{"type": "my-name", ...}`` works wherever a config is accepted: in
@@ -15,6 +15,13 @@ module.
 setting) -> Traffic`` (:mod:`commhooks.algorithms.traffic`), or
 ``"module:function"`` naming it (imported when first asked).  The meter
 tests, ``commhooks plan`` and the docs read an algorithm's bytes from it.
+
+The registry sits above the algorithms (it checks a state class against
+:class:`~commhooks.algorithms.base.AlgorithmState`) and below everything that
+dispatches by name (:mod:`commhooks.config`, the adapters, the tools).  It
+imports no algorithm to fill itself: the built-ins (``qsr``, then ``ab``) are
+registered by the package's entry, ``commhooks/__init__.py``, which runs
+before any ``commhooks`` module can be imported, so they are listed first.
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ import dataclasses
 import importlib
 from typing import Callable, Dict, List, Optional, Union
 
+from .algorithms.base import AlgorithmState
+from .settings import HookConfig
+
 _ALGORITHMS: Dict[str, "Algorithm"] = {}
-_builtins_loaded = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +64,6 @@ def register_algorithm(config_class: type, state_class: type,
     Registering the same pair again is a no-op (modules may be re-imported), or declares its ``traffic``;
     another pair under a taken name is a ValueError.
     """
-    from .algorithms.base import AlgorithmState
-    from .config import HookConfig
-
     if not (isinstance(config_class, type) and issubclass(config_class, HookConfig)):
         raise TypeError(f"config_class must be a commhooks.config.HookConfig subclass, got {config_class!r}")
     if not (isinstance(state_class, type) and issubclass(state_class, AlgorithmState)):
@@ -81,16 +87,8 @@ def register_algorithm(config_class: type, state_class: type,
     return entry
 
 
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        from . import algorithms  # noqa: F401  (registers qsr and ab)
-
-
 def algorithms() -> List[Algorithm]:
     """Every registered algorithm, built-ins first."""
-    _load_builtins()
     return list(_ALGORITHMS.values())
 
 
@@ -100,7 +98,6 @@ def names() -> List[str]:
 
 def get(name: str) -> Algorithm:
     """The algorithm registered as ``name``; KeyError listing the known names otherwise."""
-    _load_builtins()
     try:
         return _ALGORITHMS[name]
     except KeyError:

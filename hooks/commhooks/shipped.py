@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
+from .settings import ConfigError
+
 
 def config_dirs() -> List[Path]:
     """Where shipped configs are, first match wins: the source tree's, then the installed copy."""
@@ -36,8 +38,6 @@ def is_bare_name(text: str) -> bool:
 
 def find(name: str) -> Path:
     """The shipped config called ``name`` (with or without ``.json``); ConfigError listing them otherwise."""
-    from .config import ConfigError
-
     stem = name[:-5] if name.endswith(".json") else name
     configs = shipped_configs()
     if stem not in configs:

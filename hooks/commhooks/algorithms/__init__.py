@@ -1,9 +1,11 @@
 """Algorithms: plain tensor math over a :class:`~commhooks.comm.Comm`; no engine, no environment.
 
-Importing this package registers the built-in algorithms (``qsr``, ``ab``).
+The built-in algorithms (``qsr``, ``ab``) are registered by the package's entry (``commhooks/__init__.py``):
+this layer sits below the registry and imports it nowhere.
 """
 
-from . import qsr, ab  # noqa: I001  (registration order: qsr first)
-from .base import AlgorithmState, EngineFacts
+from ..facts import EngineFacts
+from . import ab, qsr
+from .base import AlgorithmState
 
 __all__ = ["AlgorithmState", "EngineFacts", "ab", "qsr"]

@@ -62,7 +62,7 @@ chooses what to call from what the state *declares*, never from its name):
 Engine facts reach the state as an :class:`EngineFacts` (the unwrapped
 module, whether the engine re-broadcasts buffers on every forward, ranks per
 node from the launcher): adapters pass them; for a state built by hand the
-base asks :mod:`commhooks.facts` (imported at the call) to derive them from
+base asks :func:`commhooks.facts.for_model` to derive them from
 the model.  Algorithm code never reads an engine attribute or an environment
 variable itself.
 
@@ -84,11 +84,11 @@ import torch
 
 from .._version import __version__
 from ..comm import CollectiveError, Comm, Work
-from ..config import ConfigError, HookConfig, to_dict
+from ..settings import ConfigError, HookConfig, to_dict
 from . import run_end
 from .averaging import average_, float_buffers
 from .consistency import same_everywhere, verify_identical, verify_same_everywhere
-from .engine_facts import EngineFacts, _facts_of_hand_built_state
+from ..facts import EngineFacts, for_model
 from .helpers import optimizer_list, resolve_config, tensors_to, unwrap_optimizer
 from .helpers import user_stacklevel  # (also re-exported from its old home here)
 from .parameters import ParameterSet, reduce_strays
@@ -139,7 +139,7 @@ class AlgorithmState(RunEnd, Reporting):
         self.config = resolve_config(type(self), config, settings)
         self.optimizers = optimizer_list(optimizer)
         self.optimizer = self.optimizers[0]
-        self.engine = engine if engine is not None else _facts_of_hand_built_state(model)
+        self.engine = engine if engine is not None else for_model(model)
         self.module = self.engine.module
         self.parameter_set = ParameterSet(self.module, self.optimizers, named_parameters, self.engine.master_slices)
         # where the synced tensors live: every tensor the state hands to a collective is made there (an

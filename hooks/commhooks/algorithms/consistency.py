@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..comm import Comm
-from ..config import ConfigError
+from ..settings import ConfigError
 
 
 class DivergenceError(RuntimeError):

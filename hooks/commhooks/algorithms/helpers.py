@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ConfigError, from_dict, load_config
+from ..settings import ConfigError
+from ..sources import from_fields, load_as
 
 _PACKAGE = __file__.rsplit("/algorithms/", 1)[0]  # .../commhooks
 _TORCH = torch.__file__.rsplit("/", 1)[0]
@@ -52,11 +53,8 @@ def resolve_config(cls, config, settings: dict):
     """The config of state class ``cls`` from ``config=`` (object, dict, JSON path) or keyword ``settings``."""
     if config is not None and settings:
         raise ConfigError(f"pass either config= or keyword settings, not both (got {sorted(settings)})")
-    conf = (load_config(config, kind=cls.name) if config is not None
-            else from_dict(settings, kind=cls.name, where=cls.__name__))
-    if conf is None:
-        raise ConfigError(f"{cls.__name__} needs a {cls.name!r} config, got type 'none'")
-    return conf
+    return (load_as(cls.config_class, config) if config is not None
+            else from_fields(cls.config_class, settings, where=cls.__name__))
 
 
 def optimizer_list(optimizer) -> list:

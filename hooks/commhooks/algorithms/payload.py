@@ -55,7 +55,7 @@ from pydantic import Field
 from typing_extensions import Annotated, Literal
 
 from ..comm import Comm, Work
-from ..config import HookConfig
+from ..settings import HookConfig
 from .exchange import OwnerFeedback, TwoStep, resolve, sum_in_rank_order
 
 CODECS = ("fp32", "bf16", "int8", "int4", "int2", "topk")

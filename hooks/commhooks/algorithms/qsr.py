@@ -20,8 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..comm import Group
-from ..config import ConfigError
-from ..registry import register_algorithm
+from ..settings import ConfigError
 from . import replicas, sync_state
 from .averaging import float_buffers, optimizer_moments
 from .base import AlgorithmState
@@ -29,6 +28,8 @@ from .helpers import user_stacklevel
 from .plan import Event, SyncPlan, step_events
 from .qsr_config import QSRConfig, qsr_period
 from .sync import SyncDriver
+
+__all__ = ["QSRConfig", "QSRState", "check_layout", "qsr_period"]
 
 
 def check_layout(config, named_params, hierarchical: bool) -> None:
@@ -297,6 +298,3 @@ class QSRState(AlgorithmState):
 
     def __repr__(self) -> str:
         return f"QSRState(step={self.step}, since_sync={self.since_sync}, H={self.H}, syncs={self.syncs})"
-
-
-register_algorithm(QSRConfig, QSRState, traffic="commhooks.algorithms.qsr_traffic:qsr_traffic")

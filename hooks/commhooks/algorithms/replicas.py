@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from ..config import ConfigError
+from ..settings import ConfigError
 
 
 def resolve_size(group_size: Optional[int], world: int, local_world: Optional[int]) -> int:

@@ -22,7 +22,7 @@ from typing import ClassVar, Dict, Optional
 from pydantic import Field
 from typing_extensions import Annotated
 
-from ..config import HookConfig
+from ..settings import HookConfig
 
 NEVER = 2**62  # a period that never ends (lr 0 and no total_steps)
 

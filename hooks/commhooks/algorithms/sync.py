@@ -43,7 +43,7 @@ import torch
 
 from ..comm import Comm, Work
 from ..comm.base import flatten, unflatten_into
-from ..config import ConfigError
+from ..settings import ConfigError
 from . import payload
 from .consistency import same_everywhere
 from .exchange import OwnerFeedback

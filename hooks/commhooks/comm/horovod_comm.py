@@ -7,7 +7,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from ..config import ConfigError
+from ..settings import ConfigError
 from .base import Comm, Group
 
 

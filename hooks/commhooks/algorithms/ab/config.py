@@ -7,7 +7,7 @@ from typing import List, Literal, Optional
 from pydantic import Field, model_validator
 from typing_extensions import Annotated
 
-from ...config import ConfigError
+from ...settings import ConfigError
 from ..payload import PayloadFields
 from ..rule import QuadraticRuleFields
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from ...config import ConfigError
+from ...settings import ConfigError
 from ..replicas import contiguous_groups, resolve_size
 from .config import ABConfig
 

@@ -27,6 +27,8 @@ import math
 from typing import Dict, List, Optional
 
 from ..traffic import Send, Setting, Traffic, averaged, body_sends
+from .groups import make_groups
+from .schedule import AB, ENTER, SYNC, Clock, ab_phase_length, apply, events_before, needs_length
 
 
 def _tall(shape) -> tuple:
@@ -36,9 +38,6 @@ def _tall(shape) -> tuple:
 
 def ab_traffic(config, setting: Setting) -> Traffic:
     """The traffic of ``config`` (a validated ``ABConfig``) for one rank in ``setting``."""
-    from .groups import make_groups
-    from .schedule import AB, ENTER, SYNC, Clock, ab_phase_length, apply, events_before, needs_length
-
     c, s = config, setting
     groups, roles = make_groups(c, s.world, s.local_world)
     mine = next(i for i, g in enumerate(groups) if s.rank in g)

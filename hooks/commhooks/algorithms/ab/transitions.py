@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ...comm import Comm
-from ...config import ConfigError
+from ...settings import ConfigError
 from ..consistency import nonfinite_anywhere, spread_over_ranks
 from ..helpers import user_stacklevel
 from .config import ABConfig

@@ -1,0 +1,146 @@
+"""The package's layers: no import cycle, and no import from a lower layer up.
+
+Counted on grimp's import graph of ``commhooks``, which holds the imports inside functions as well as those at
+module level: an import moved into a function to break a cycle still counts, so a cycle has to be undone, not
+hidden.  Each module belongs to the layer of its longest prefix in :data:`LAYERS`; a module no entry covers
+fails the test, so a new module is placed on purpose.  An import within a layer is allowed (``algorithms`` is
+one layer), a cycle is not, anywhere.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import grimp  # the `test` extra
+import pytest
+
+PACKAGE = "commhooks"
+PKG = Path(__file__).resolve().parents[1] / "hooks" / PACKAGE
+
+# top to bottom: a module may import its own layer and the layers below it
+LAYERS = [
+    ("the package's entry (registers the built-in algorithms)", ["commhooks"]),
+    ("the command line", ["commhooks.cli"]),
+    ("tools", ["commhooks.tools"]),
+    ("framework integrations", ["commhooks.integrations"]),
+    ("engine adapters", ["commhooks.ddp", "commhooks.horovod", "commhooks.deepspeed"]),
+    ("checkpoints, Horovod's launcher", ["commhooks.checkpoint", "commhooks.launch_horovod"]),
+    ("config loading by type", ["commhooks.config"]),
+    ("the registry", ["commhooks.registry"]),
+    ("algorithms", ["commhooks.algorithms"]),
+    ("engine facts", ["commhooks.facts"]),
+    ("collectives, the launcher", ["commhooks.comm", "commhooks.launch"]),
+    ("where settings come from", ["commhooks.sources"]),
+    ("shipped configs", ["commhooks.shipped"]),
+    ("settings, version", ["commhooks.settings", "commhooks._version"]),
+]
+
+
+def _covers(prefix: str, module: str) -> bool:
+    """``prefix`` names ``module`` or a package holding it; the package itself names only itself (otherwise it
+    would cover every module, and a new one would never need placing)."""
+    return module == prefix or (prefix != PACKAGE and module.startswith(prefix + "."))
+
+
+def layer_of(module: str):
+    """The index in :data:`LAYERS` (0 = top) of ``module``'s longest covering prefix; None if none covers it."""
+    found = [(len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+             if _covers(prefix, module)]
+    return max(found)[1] if found else None
+
+
+@pytest.fixture(scope="module")
+def graph():
+    spec = importlib.util.find_spec(PACKAGE)
+    assert spec is not None and Path(spec.origin).resolve().parent == PKG, (
+        f"grimp would read {spec and spec.origin}, not this checkout's {PKG} (put hooks/ first on PYTHONPATH)")
+    return grimp.build_graph(PACKAGE, cache_dir=None)
+
+
+def _imports(graph, module):
+    return sorted(graph.find_modules_directly_imported_by(module))
+
+
+def _file(module: str) -> str:
+    path = PKG.parent.joinpath(*module.split("."))
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    return str(path.relative_to(PKG.parents[1]))
+
+
+def _where(graph, importer: str, imported: str) -> str:
+    details = graph.get_import_details(importer=importer, imported=imported)
+    return "; ".join(f"{_file(importer)}:{d['line_number']}: {d['line_contents'].strip()}" for d in details)
+
+
+def strongly_connected(graph):
+    """The strongly connected components of the import graph with more than one module (each one a cycle or
+    several), by Tarjan's algorithm written without recursion."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    counter = 0
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work = [(root, iter(_imports(graph, root)))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            module, successors = work[-1]
+            for nxt in successors:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter
+                    counter += 1
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(_imports(graph, nxt))))
+                    break
+                if nxt in on_stack:
+                    low[module] = min(low[module], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[module])
+                if low[module] == index[module]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == module:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def test_every_module_has_a_layer(graph):
+    unplaced = sorted(m for m in graph.modules if layer_of(m) is None)
+    assert not unplaced, f"modules in no layer (add them to LAYERS in {__file__}): {', '.join(unplaced)}"
+
+
+def test_every_layer_entry_names_a_module(graph):
+    stale = [p for _, prefixes in LAYERS for p in prefixes if not any(_covers(p, m) for m in graph.modules)]
+    assert not stale, f"LAYERS names modules that no longer exist: {', '.join(stale)}"
+
+
+def test_no_import_cycle(graph):
+    lines = []
+    for component in strongly_connected(graph):
+        members = set(component)
+        lines.append(f"a cycle of {len(component)} modules: {', '.join(component)}")
+        lines += [f"    {m} -> {n}: {_where(graph, m, n)}"
+                  for m in component for n in _imports(graph, m) if n in members]
+    assert not lines, "\n".join(lines)
+
+
+def test_no_import_from_a_lower_layer_up(graph):
+    upward = []
+    for importer in sorted(graph.modules):
+        below = layer_of(importer)
+        for imported in _imports(graph, importer):
+            above = layer_of(imported)
+            if below is not None and above is not None and above < below:
+                upward.append(f"{importer} ({LAYERS[below][0]}) imports {imported} ({LAYERS[above][0]}): "
+                              f"{_where(graph, importer, imported)}")
+    assert not upward, f"{len(upward)} import(s) from a lower layer up:\n" + "\n".join(upward)
