@@ -144,3 +144,45 @@ def test_no_import_from_a_lower_layer_up(graph):
                 upward.append(f"{importer} ({LAYERS[below][0]}) imports {imported} ({LAYERS[above][0]}): "
                               f"{_where(graph, importer, imported)}")
     assert not upward, f"{len(upward)} import(s) from a lower layer up:\n" + "\n".join(upward)
+
+
+PICTURES = PKG.parents[1] / "docs" / "pictures"
+
+
+def _drawn(line: str):
+    """The module names a picture line starts with (``ddp, horovod, deepspeed   engine adapters``)."""
+    return [name.strip() for name in line.strip().split("   ")[0].split(",")]
+
+
+def test_the_design_page_draws_these_layers(graph):
+    """docs/pictures/layers.txt (docs/pages/design.md) lists LAYERS top to bottom, and its sublayers of the
+    algorithms name modules that exist."""
+    body = PICTURES.joinpath("layers.txt").read_text().splitlines()
+    rows = body[body.index("top") + 1: body.index("bottom")]
+    drawn = [_drawn(r) for r in rows if r.startswith("  ") and not r.startswith("   ")]
+    assert drawn == [[p.split(".", 1)[1] if "." in p else p for p in prefixes] for _, prefixes in LAYERS]
+    inner = [name for r in rows if r.startswith("     ") for name in _drawn(r)]
+    assert inner and all(f"{PACKAGE}.algorithms.{name}" in graph.modules for name in inner), inner
+
+
+def test_the_sync_picture_names_functions_where_they_are():
+    """docs/pictures/sync.txt: each ``Class.method`` or function sits in the file the picture names, and the
+    package files a sync is read through are at most four (the codecs below, payload.py and exchange.py, aside)."""
+    import ast
+    import re
+
+    defined = {}
+    files = set()
+    for line in PICTURES.joinpath("sync.txt").read_text().splitlines()[1:]:
+        found = re.search(r"([A-Za-z_][\w.]*)\s+(\w+\.py)\b", line)
+        if not found:
+            continue
+        name, file = found.groups()
+        files.add(file)
+        if file not in defined:
+            tree = ast.parse((PKG / "algorithms" / file).read_text())
+            defined[file] = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} | {
+                f"{c.name}.{m.name}" for c in tree.body if isinstance(c, ast.ClassDef)
+                for m in c.body if isinstance(m, ast.FunctionDef)}
+        assert name in defined[file], f"docs/pictures/sync.txt: {name} is not in algorithms/{file}"
+    assert len(files - {"payload.py", "exchange.py"}) <= 4 and len(defined) >= 4, files

@@ -24,7 +24,7 @@ fewer bytes (``4/3 P`` against ``2 P``) and from 4 ranks half or less;
 add a round trip and a second rounding).
 
 The second rounding: the mean is encoded twice, once by each sender (its
-error is the sender's error feedback, :mod:`.outer`) and once by the piece's
+error is the sender's error feedback, :mod:`.sync`) and once by the piece's
 owner.  With ``error_feedback`` the owner keeps what its encoding of the mean
 lost and adds it to its piece of the next sync's mean (DeepSpeed's "server
 error" in 1-bit Adam); the residual is saved with the outer state, so a
