@@ -89,9 +89,8 @@ from . import run_end
 from .averaging import average_, float_buffers
 from .consistency import same_everywhere, verify_identical, verify_same_everywhere
 from .engine_facts import EngineFacts, _facts_of_hand_built_state
-from .helpers import optimizer_list, resolve_config, tensors_to, unwrap_optimizer
-from .helpers import user_stacklevel  # (also re-exported from its old home here)
-from .parameters import ParameterSet, reduce_strays
+from .parameters import ParameterSet, optimizer_list, reduce_strays, resolve_config, tensors_to, unwrap_optimizer
+from .parameters import user_stacklevel
 from .reporting import Reporting
 from .run_end import RunEnd
 from .step_alignment import StepAlignment

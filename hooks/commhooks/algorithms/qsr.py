@@ -25,7 +25,7 @@ from ..registry import register_algorithm
 from . import replicas, sync_state
 from .averaging import float_buffers, optimizer_moments
 from .base import AlgorithmState
-from .helpers import user_stacklevel
+from .parameters import user_stacklevel
 from .plan import Event, SyncPlan, step_events
 from .qsr_config import QSRConfig, qsr_period
 from .sync import SyncDriver

@@ -36,7 +36,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from .alignment import ShadowJoinHook
-from .helpers import user_stacklevel
+from .parameters import user_stacklevel
 
 
 class RunEnd:

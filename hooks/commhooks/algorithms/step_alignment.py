@@ -26,7 +26,7 @@ import torch
 
 from . import alignment
 from .consistency import NonFiniteError, NonfiniteGuard, skip_gradients
-from .helpers import user_stacklevel
+from .parameters import user_stacklevel
 
 
 class StepAlignment:

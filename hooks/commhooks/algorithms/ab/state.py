@@ -51,7 +51,7 @@ from ...comm.base import flatten
 from ...config import ConfigError
 from ..averaging import clear_optimizer_state
 from ..base import AlgorithmState
-from ..helpers import tensors_to, user_stacklevel
+from ..parameters import tensors_to, user_stacklevel
 from ..reporting import size
 from ..sync import compressed_mean
 from . import transitions
