@@ -50,9 +50,8 @@ from ...comm import Work
 from ...comm.base import flatten
 from ...config import ConfigError
 from ..averaging import clear_optimizer_state
-from ..base import AlgorithmState
+from ..base import AlgorithmState, size
 from ..parameters import tensors_to, user_stacklevel
-from ..reporting import size
 from ..sync import compressed_mean
 from . import transitions
 from .groups import make_groups
@@ -184,7 +183,7 @@ class ABState(AlgorithmState):
         projected = []  # (W-space gradient view, basis, payload)
         payloads = []
         for g, p in zip(grads, params):
-            basis = self.bases.get(self._name_of.get(id(p), ""))
+            basis = self.bases.get(self.parameter_set.name_of.get(id(p), ""))
             if basis is None:
                 payloads.append(g)  # dense: averaged inside the group
                 continue
