@@ -33,7 +33,7 @@ def test_site_builds_strict(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
     assert "class QSRState" in api or "QSRState" in api  # generated from the docstrings
-    for method in ("report", "finish", "join_hook"):  # AlgorithmState's parts from run_end / reporting are listed
+    for method in ("report", "finish", "join_hook"):  # its run-end and reporting methods are listed
         assert f"commhooks.AlgorithmState.{method}" in api, method
     cli = (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
     assert "--deepspeed_config" in cli and "--replica-groups" in cli  # the CLI's own -h, run at build time

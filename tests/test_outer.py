@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import commhooks
 from commhooks.algorithms import payload
 from commhooks.algorithms.alignment import STEP_PROOF_BYTES
-from commhooks.algorithms.sync import FragmentSync as OuterSync
+from commhooks.algorithms.sync import FragmentSync
 from commhooks.comm.torch_dist import TorchComm
 from commhooks.config import ConfigError, load_config
 from commhooks.algorithms.traffic import Send
@@ -98,7 +98,7 @@ def _worker(rank, world):
     torch.manual_seed(rank)
     local = [torch.randn(5, 3), torch.randn(7)]
     before = torch.cat([t.reshape(-1) for t in local])
-    outer = OuterSync(1.0, 0.0, True, "fp32", 256, False)
+    outer = FragmentSync(1.0, 0.0, True, "fp32", 256, False)
     outer.anchor = torch.full((22,), 0.25)
     outer.sync(comm, local, torch.zeros(9))  # local becomes anchor - mean(anchor - local_i)
     out["plain"] = (before, torch.cat([t.reshape(-1) for t in local]))
@@ -134,7 +134,7 @@ def _worker(rank, world):
     # 5. error feedback: the residual is exactly what the codec lost, and rides in the next delta
     torch.manual_seed(10 + rank)
     tensors = [torch.randn(300)]
-    ef = OuterSync(1.0, 0.0, True, "int8", 64, True)
+    ef = FragmentSync(1.0, 0.0, True, "int8", 64, True)
     ef.anchor = torch.zeros(300)
     delta = ef.anchor - tensors[0]
     ef.sync(comm, tensors, torch.zeros(9))

@@ -153,7 +153,7 @@ def _through_ddp(rank, world):
         _, state, after_sync = _run(conf, 12, rank)
         out[name] = {"after_sync": after_sync, "sync_bytes": state.meter.by_tag().get("sync", 0)}
     # error feedback: after a sync the residual is exactly what the codec lost of that sync's pseudo-gradient
-    from commhooks.algorithms.sync import FragmentSync as OuterSync
+    from commhooks.algorithms.sync import FragmentSync
     from commhooks.comm.torch_dist import TorchComm
 
     comm = TorchComm()
@@ -162,7 +162,7 @@ def _through_ddp(rank, world):
         codec = commhooks.load_config({"type": "qsr", **CONFIGS[name]}).codec
         torch.manual_seed(10 + rank)
         tensors = [torch.randn(300)]
-        ef = OuterSync(1.0, 0.0, True, codec, codec.block, True)
+        ef = FragmentSync(1.0, 0.0, True, codec, codec.block, True)
         ef.anchor = torch.zeros(300)
         delta = ef.anchor - tensors[0]
         ef.sync(comm, tensors, torch.zeros(commhooks.algorithms.alignment.PROOF_ELEMENTS), seed=5)

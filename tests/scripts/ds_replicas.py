@@ -153,7 +153,7 @@ for stage in (0, 2):
 # a NaN gradient seen on one rank only (its NaN guard's record, as its observe() writes it at a step): the engine's
 # own collective save_checkpoint is refused on every rank together, before anything is written
 if rank == 3:
-    engine.comm_hook_state._guard.observe([(0, torch.full((4,), float("nan")))], 0)
+    engine.comm_hook_state.alignment.guard.observe([(0, torch.full((4,), float("nan")))], 0)
 try:
     engine.save_checkpoint(f"{args.out}/nan")
     result["nan_save"] = "written"

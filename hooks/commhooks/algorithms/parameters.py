@@ -6,14 +6,32 @@ in it), or the tensors an engine handed over instead (DeepSpeed's fp32
 masters).  Training changes that set: a layer unfrozen or a parameter group
 added later is found before the next sync (:meth:`ParameterSet.new`); a
 trainable parameter the engine never hands over (a layer unfrozen after DDP
-built its buckets) is a *stray* the state reduces itself.
+built its buckets) is a *stray* the state reduces itself (:func:`reduce_strays`).
+
+:func:`start_equal`: every rank starts from the first rank's synced tensors,
+as DDP's constructor and Horovod's ``broadcast_parameters`` make them.  An
+engine may leave them different (DeepSpeed with replica groups broadcasts
+inside each group only; a script that seeds no model), and a local method
+would then average the different starts at its first sync.  One 32-byte
+fingerprint comparison per group at set-up (a host read); only where the
+starts differ, a broadcast from the group's first rank, and a warning.
+
+And the small helpers every algorithm module uses: warnings that point at the
+user's line, the optimizer inside a framework's wrapper, checkpoint tensors
+moved to a device; a state's config and optimizers from its arguments.
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+
+from ..settings import ConfigError
+from ..sources import from_fields, load_as
+from .consistency import same_everywhere, verify_same_everywhere
 
 Named = List[Tuple[str, torch.Tensor]]
 
@@ -82,12 +100,44 @@ class ParameterSet:
                         out.append(p)
         return out
 
+    def allreduce_bytes(self) -> int:
+        """What plain data parallelism sends per rank per optimizer step: one fp32 allreduce payload of the
+        model's trainable parameters (the baseline of ``report()["bytes_vs_allreduce"]``)."""
+        params = (p for p in self.module.parameters() if p.requires_grad) if self.module is not None else (
+            p for _, p in self.named)
+        return 4 * sum(p.numel() for p in params)
+
     def unoptimized(self, named: Sequence[Tuple[str, torch.Tensor]]) -> List[str]:
         """Trainable model parameters of ``named`` in none of the optimizers (only for the module's own)."""
         if self.module is None or self.names_given:
             return []
         covered = {id(p) for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
         return [n for n, p in named if p.requires_grad and id(p) not in covered]
+
+    def warn_unoptimized(self, named: Sequence[Tuple[str, torch.Tensor]], who: str) -> None:
+        """Trainable model parameters in none of the optimizers given: another optimizer that steps them after a
+        sync makes the ranks differ again, silently.  A warning on every rank, naming them."""
+        missing = self.unoptimized(named)
+        if missing:
+            warnings.warn(
+                f"{who}: trainable parameters in none of the optimizers given: {', '.join(missing[:8])}"
+                f"{' ...' if len(missing) > 8 else ''} ({len(missing)}). If another optimizer steps them, its "
+                "updates after each sync make the ranks differ: pass every optimizer, in the order the loop steps "
+                "them (commhooks.ddp.register(ddp_model, [opt_a, opt_b], config), or optimizer=[opt_a, opt_b])",
+                stacklevel=user_stacklevel())
+
+    def refuse_sparse(self, grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor], flat, who: str) -> None:
+        """ConfigError naming the parameters of a bucket whose gradient is sparse (a state that averages
+        gradients cannot send one)."""
+        if flat is not None and flat.layout != torch.strided:  # DDP hands a sparse gradient over as the buffer
+            sparse = [self.name_of.get(id(p), "?") for p in params]
+        else:
+            sparse = [self.name_of.get(id(p), "?") for g, p in zip(grads, params) if g.layout != torch.strided]
+        if sparse:
+            raise ConfigError(
+                f"{who} averages gradients here and {', '.join(sparse)} has a sparse one "
+                "(nn.Embedding(sparse=True)?), which it cannot send. Build the layer with sparse=False; QSR without "
+                "replica groups sends no gradients and takes sparse ones")
 
 
 def reduce_strays(state, shadow: bool = False) -> None:
@@ -127,3 +177,111 @@ def reduce_strays(state, shadow: bool = False) -> None:
         for p in missing:
             if not anyone[id(p)]:
                 p.grad = None
+
+
+def add_new_parameters(state) -> List[str]:
+    """``state.refresh_parameters()``: bring in parameters that became trainable or were added to an optimizer
+    since the state was built.  Called before each sync (local check; a handshake only when something changed,
+    and then on every rank that made the same change, as ranks running the same code do).  Returns the new
+    names."""
+    new = state.parameter_set.new()
+    if not new:
+        return []
+    verify_same_everywhere(state.comm, f"the {state.display_name} hook's new parameters",
+                           {"new": [(n, tuple(p.shape)) for n, p in new], "step": state.step})
+    state.parameter_set.add(new)
+    state.alignment.guard.extend([n for n, _ in new])
+    state.parameter_set.warn_unoptimized(new, state.display_name)
+    state.parameters_added(new)
+    return [n for n, _ in new]
+
+
+def start_equal(state) -> None:
+    """Every rank of ``state`` starts from the first rank's synced tensors (see the module docstring): where they
+    differ, a broadcast and a warning on every rank."""
+    if state.comm.size == 1:
+        return
+    comm, params, buffers = state.comm, [p for _, p in state.named_params], state.float_buffers()
+    group = state.start_group()
+    checks = [(params + buffers, None)] if group is None else [(params, group), (buffers, None)]
+    fixed = []
+    for tensors, over in checks:
+        if not tensors or same_everywhere(comm, tensors, group=over):
+            continue
+        src = (over or comm.world).ranks[0]
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            comm.broadcast([t.data for t in tensors if t.dtype == dtype], src=src, group=over, tag="start")
+        fixed.append("the synced tensors" if over is None else "the shards")
+    if group is not None:  # shard groups decide apart: the engine's refresh (a collective) runs on all or none
+        anywhere = torch.tensor([1.0 if fixed else 0.0], device=state.device)
+        comm.allreduce([anywhere], op="max", tag="start", metered=False)
+        if anywhere.tolist()[0] and not fixed:
+            fixed.append("another group's shards")
+    if fixed:
+        state.tensors_changed()
+        warnings.warn(
+            f"{state.display_name}: the ranks started from different weights ({' and '.join(fixed)} differed); "
+            "every rank now starts from the first rank's, as DDP's constructor and Horovod's "
+            "broadcast_parameters do (seed the model the same on every rank, torch.manual_seed, to start there "
+            "yourself)", stacklevel=user_stacklevel())
+
+
+# ------------------------------------------------------------------ helpers
+
+_PACKAGE = __file__.rsplit("/algorithms/", 1)[0]  # .../commhooks
+_TORCH = torch.__file__.rsplit("/", 1)[0]
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the user's line (the first frame outside commhooks and
+    torch: the ``optimizer.step()`` or ``engine.step()`` of the loop), however deep the hooks call it."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
+                                 or frame.f_code.co_filename.startswith(_TORCH)):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def unwrap_optimizer(optimizer):
+    """The torch optimizer inside a framework's wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``: both keep it as ``.optimizer``); the optimizer itself otherwise.  The step hooks
+    the state registers must sit on the optimizer whose ``step()`` really runs."""
+    seen = set()
+    while id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
+def tensors_to(obj, device: torch.device):
+    """``obj`` (dicts, lists, tuples of tensors and plain values) with every tensor on ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: tensors_to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tensors_to(v, device) for v in obj)
+    return obj
+
+
+def resolve_config(cls, config, settings: dict):
+    """The config of state class ``cls`` from ``config=`` (object, dict, JSON path) or keyword ``settings``."""
+    if config is not None and settings:
+        raise ConfigError(f"pass either config= or keyword settings, not both (got {sorted(settings)})")
+    return (load_as(cls.config_class, config) if config is not None
+            else from_fields(cls.config_class, settings, where=cls.__name__))
+
+
+def optimizer_list(optimizer) -> list:
+    """``optimizer`` (one, or a list in the order the loop steps them) as a list of distinct torch optimizers,
+    each unwrapped from a framework's wrapper."""
+    opts = [unwrap_optimizer(o) for o in (list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer])]
+    for i, opt in enumerate(opts):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer[{i}] must be a torch.optim.Optimizer, got {type(opt).__name__}")
+    if not opts or len({id(o) for o in opts}) != len(opts):
+        raise ConfigError("optimizer must be an optimizer or a non-empty list of distinct optimizers")
+    return opts

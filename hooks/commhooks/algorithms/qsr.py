@@ -24,7 +24,7 @@ from ..settings import ConfigError
 from . import replicas, sync_state
 from .averaging import float_buffers, optimizer_moments
 from .base import AlgorithmState
-from .helpers import user_stacklevel
+from .parameters import user_stacklevel
 from .plan import Event, SyncPlan, step_events
 from .qsr_config import QSRConfig, qsr_period
 from .sync import SyncDriver

@@ -1,7 +1,9 @@
 """The state's collaborator that keeps every rank on one schedule (the mechanisms are :mod:`.alignment`'s).
 
-It owns what a state needs to prove, at each sync, that the ranks are where
-they should be, and to act when they are not:
+It owns the optimizer step hooks (the first optimizer's pre-hook starts an
+iteration, the last one's post-hook ends it: :meth:`StepAlignment.hook`), and
+what a state needs to prove, at each sync, that the ranks are where they
+should be, and to act when they are not:
 
 * the GradScaler takeover (the scaler always calls ``optimizer.step()``; an
   overflowed step is dropped here and still counts) and the scaler whose
@@ -13,24 +15,34 @@ they should be, and to act when they are not:
 * the lr-dependent period every rank uses inside a Join or when an engine may
   leave some ranks' lr behind.
 
-The state keeps the public names (``step_proof``, ``check_proof``,
-``use_scaler``, ``agree_on_period`` ...) as one-line delegates.
+The state keeps the names algorithms and adapters call (``step_proof``,
+``check_proof``, ``agree_on_period``, ``use_scaler``, ``nonfinite_seen`` ...);
+its own code calls ``state.alignment`` directly.
+
+And the end-of-run check, once per state, on every rank, for a state whose
+ranks differ between syncs: a run that really ended between two syncs (each
+rank then holds its own model) is warned about when the state is dropped or
+the process exits (:func:`watch_the_end`), so a run closed by ``finish()``,
+``with state:`` or ``total_steps`` sees none.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 import warnings
+import weakref
 from typing import List, Optional, Sequence
 
 import torch
 
 from . import alignment
 from .consistency import NonFiniteError, NonfiniteGuard, skip_gradients
-from .helpers import user_stacklevel
+from .parameters import reduce_strays, user_stacklevel
 
 
 class StepAlignment:
-    """Scaler, NaN guard, step proofs and period agreement of one :class:`~.base.AlgorithmState`."""
+    """Step hooks, scaler, NaN guard, step proofs and period agreement of one :class:`~.base.AlgorithmState`."""
 
     def __init__(self, state, names: Sequence[str]):
         self.state = state
@@ -38,18 +50,56 @@ class StepAlignment:
         self.scaler = None  # a torch.amp.GradScaler whose scale the syncs keep equal (use_scaler)
         self.last_scale: Optional[torch.Tensor] = None  # the scale a GradScaler handed to the last step (device)
         self.amp_owned: List[torch.optim.Optimizer] = []
+        self.handles: list = []  # the optimizer step hooks (hook)
+        self.uncounted = False  # the next optimizer step is no training step (state.not_a_training_step)
         self._warned_scales = False
 
     # ------------------------------------------------------------ each step
-    def take_over_amp(self, optimizers) -> None:
-        """GradScaler calls ``step()`` of these optimizers always; the state unscales or drops (fused ones keep
-        their own handling)."""
+    def hook(self, optimizers) -> None:
+        """Register the step hooks on ``optimizers`` (in the order the loop steps them); GradScaler then calls
+        their ``step()`` always and the state unscales or drops (fused optimizers keep their own handling)."""
         self.amp_owned = [opt for opt in optimizers if alignment.take_over_amp_scaling(opt)]
+        first, last = optimizers[0], optimizers[-1]
+        for opt in optimizers:
+            self.handles.append(opt.register_step_pre_hook(lambda o, args, kwargs: self.pre_step(o, o is first)))
+            if opt is last:
+                self.handles.append(opt.register_step_post_hook(lambda o, args, kwargs: self.post_step()))
 
-    def release_amp(self) -> None:
+    def release(self) -> None:
+        """Unregister the step hooks and hand AMP scaling back."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
         for opt in self.amp_owned:
             alignment.release_amp_scaling(opt)
         self.amp_owned = []
+
+    def pre_step(self, optimizer, starts: bool) -> None:
+        """Before an optimizer's step: a GradScaler's unscale/skip, the strays, the NaN guard (a dropped update
+        counts as a skipped step); the first optimizer's also starts the iteration (``state.begin_step``)."""
+        state = self.state
+        if self.uncounted:
+            return
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        dropped, checked = self.scaler_step(optimizer, params)  # a GradScaler checked these: it decides
+        if starts and state.reduces_gradients:
+            if dropped:  # no update this step (every rank's overflow check agrees after the engine's reduction)
+                state._reduced = set()
+            else:
+                reduce_strays(state)
+        if not checked and self.guard_step(params):
+            dropped = True
+        if dropped:
+            state.skipped_steps += 1
+        if starts:
+            state.begin_step()
+
+    def post_step(self) -> None:
+        """After the last optimizer's step: ``state.end_step`` (not after a step that is no training step)."""
+        if self.uncounted:
+            self.uncounted = False
+        else:
+            self.state.end_step()
 
     def scaler_step(self, optimizer, params) -> tuple:
         """What a GradScaler handed this step: ``(dropped, checked)``: the update was dropped on an overflow
@@ -139,3 +189,52 @@ class StepAlignment:
                              device=state.device)
         state.comm.allreduce([value], op="max", tag="join", metered=False)
         return int(value.item())
+
+
+# ------------------------------------------------------------ the run's end
+
+
+@dataclasses.dataclass
+class _OpenEnd:
+    """What the end-of-run check knows of a state once the state is gone: its name, its last step, and
+    whether every rank held the same model after it (its own ``in_sync_at``, noted after each step and at
+    ``finish()``)."""
+
+    name: str
+    step: int = 0
+    synced: bool = True
+
+
+def watch_the_end(state) -> None:
+    """After each step (only the first does anything), for a state whose ranks differ between syncs: arrange the
+    end-of-run check, run when the state is dropped or, at the latest, when the process exits
+    (:func:`_warn_if_ended_apart`)."""
+    if state._warned_end:
+        return
+    state._warned_end = True
+    if not state.runs_apart:
+        return
+    state._end = _OpenEnd(state.display_name)
+    state._end_check = weakref.finalize(state, _warn_if_ended_apart, state._end, weakref.ref(state))
+
+
+def note_the_end(state) -> None:
+    """After each step and at ``finish()``: where the run stands, for the end-of-run check."""
+    if state._end is not None:
+        state._end.step = state.step
+        state._end.synced = state.in_sync_at() == state.step
+
+
+def _warn_if_ended_apart(end: _OpenEnd, ref) -> None:
+    """The run is over (its state dropped, or the process exiting): warn if its last step left the ranks with
+    different models.  Not after an uncaught error: its traceback is the news."""
+    state = ref()
+    if state is not None:  # the process is exiting with the state alive: ask it
+        note_the_end(state)
+    if getattr(sys, "last_value", None) is not None or end.step == 0 or end.synced:
+        return
+    warnings.warn(
+        f"{end.name}: the run ended at step {end.step}, between two syncs: each rank holds its own model. Call "
+        "state.finish() after the loop (or wrap it in `with state:`), or set total_steps (the last period then "
+        "ends with a sync; commhooks train fills it from --steps, DeepSpeed from its scheduler's "
+        "total_num_steps)", UserWarning, stacklevel=2)

@@ -307,7 +307,7 @@ class SyncDriver:
 
     def take_anchor(self) -> None:
         """First step of an outer step: every rank's anchor is its own copy of the weights, which every rank
-        starts from equal (:meth:`~.base.AlgorithmState._start_equal`), checked by a 32-byte fingerprint; should
+        starts from equal (:func:`~.parameters.start_equal`), checked by a 32-byte fingerprint; should
         they differ all the same (changed on some ranks since), the anchor is their mean."""
         host, sent = self.host, self.sent()
         with host.collective_context():

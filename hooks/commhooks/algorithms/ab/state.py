@@ -48,9 +48,8 @@ import torch
 from ...comm import Work
 from ...comm.base import flatten
 from ..averaging import clear_optimizer_state
-from ..base import AlgorithmState
-from ..helpers import tensors_to
-from ..reporting import size
+from ..base import AlgorithmState, size
+from ..parameters import tensors_to
 from ..sync import compressed_mean
 from . import transitions
 from .groups import make_groups
@@ -179,7 +178,7 @@ class ABState(AlgorithmState):
         projected = []  # (W-space gradient view, basis, payload)
         payloads = []
         for g, p in zip(grads, params):
-            basis = self.bases.get(self._name_of.get(id(p), ""))
+            basis = self.bases.get(self.parameter_set.name_of.get(id(p), ""))
             if basis is None:
                 payloads.append(g)  # dense: averaged inside the group
                 continue
