@@ -186,3 +186,17 @@ def test_the_sync_picture_names_functions_where_they_are():
                 for m in c.body if isinstance(m, ast.FunctionDef)}
         assert name in defined[file], f"docs/pictures/sync.txt: {name} is not in algorithms/{file}"
     assert len(files - {"payload.py", "exchange.py"}) <= 4 and len(defined) >= 4, files
+
+
+def test_the_algorithms_stay_readable():
+    """No module of ``commhooks.algorithms`` over 400 lines, no class over 250: a reader follows one at a time."""
+    import ast
+
+    too_long = []
+    for path in sorted((PKG / "algorithms").rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 400:
+            too_long.append(f"{path.relative_to(PKG)}: {text.count(chr(10))} lines")
+        too_long += [f"{path.relative_to(PKG)}: class {c.name}, {c.end_lineno - c.lineno + 1} lines"
+                     for c in ast.walk(ast.parse(text)) if isinstance(c, ast.ClassDef) and c.end_lineno - c.lineno >= 250]
+    assert not too_long, too_long

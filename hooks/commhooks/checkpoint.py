@@ -196,7 +196,7 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
             raise ValueError("save_checkpoint needs step= when no hook state is given")
         step = state.step
     rank, world = _rank_world(state)
-    nonfinite = float(bool(state is not None and hasattr(state, "nonfinite_seen") and state.nonfinite_seen()))
+    nonfinite = float(bool(state is not None and hasattr(state, "alignment") and state.alignment.guard.seen() is not None))
     spread = _allreduce_max(state, torch.tensor([float(step), -float(step), nonfinite], dtype=torch.float64,
                                                 device=_device(state, model))).tolist()
     high, low = int(spread[0]), -int(spread[1])

@@ -34,12 +34,13 @@ mechanisms keep the schedule a function of the iteration on every rank:
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
-
+import contextlib
 import math
+from typing import List, Optional, Sequence
 
 import torch
 
+from ..comm import CollectiveError
 from .consistency import DivergenceError
 
 # the step is proved in base 64: three limbs (steps below 262,144 compared exactly, beyond that modulo it)
@@ -172,10 +173,26 @@ class ShadowJoinHook:
         self.state = state
 
     def main_hook(self) -> None:
-        self.state.shadow_step()
+        self.state.alignment.shadow_step()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         if self.state.join_ended_by_engine:  # the engine's hook ended it first (DDP: before its broadcast)
             self.state.join_ended_by_engine = False
             return
-        self.state.end_join()
+        self.state.alignment.end_join()
+
+
+_COLLECTIVE_HINT = ("if a peer has finished its data (uneven inputs), wrap the loop in "
+                    "`with torch.distributed.algorithms.join.Join([ddp_model, state]):`; if a peer died or is stuck, "
+                    "its own log says why")
+
+
+@contextlib.contextmanager
+def named_failures(step: int):
+    """A failed or timed-out collective inside names the optimizer step and the usual causes (the message already
+    holds the backend's)."""
+    try:
+        yield
+    except CollectiveError as exc:
+        raise CollectiveError(f"{exc} [at optimizer step {step}; {_COLLECTIVE_HINT}]") from None
+

@@ -16,9 +16,12 @@ would then average the different starts at its first sync.  One 32-byte
 fingerprint comparison per group at set-up (a host read); only where the
 starts differ, a broadcast from the group's first rank, and a warning.
 
-And the small helpers every algorithm module uses: warnings that point at the
-user's line, the optimizer inside a framework's wrapper, checkpoint tensors
-moved to a device; a state's config and optimizers from its arguments.
+What a state reports about them: :func:`report` (bytes sent against what
+plain allreduce of these tensors would send, memory kept), :func:`memory`,
+the ``log_every`` line.  And the small helpers every algorithm module uses:
+warnings that point at the user's line, the optimizer inside a framework's
+wrapper, checkpoint tensors moved to a device; a state's config and
+optimizers from its arguments.
 """
 
 from __future__ import annotations
@@ -285,3 +288,56 @@ def optimizer_list(optimizer) -> list:
     if not opts or len({id(o) for o in opts}) != len(opts):
         raise ConfigError("optimizer must be an optimizer or a non-empty list of distinct optimizers")
     return opts
+
+
+# ------------------------------------------------------------ what a state reports
+
+
+def report(state) -> dict:
+    """:meth:`~.base.AlgorithmState.report`: steps, syncs, bytes sent (total and per tag), what plain allreduce would have
+    sent, memory kept, plus the algorithm's own figures."""
+    sent, dense = state.meter.bytes(), state.step * state.parameter_set.allreduce_bytes()
+    kept = state.memory()
+    weights = sum(p.numel() * p.element_size() for _, p in state.named_params)
+    return {"algorithm": state.name, "step": state.step, "syncs": state.syncs, "skipped_steps": state.skipped_steps,
+            "bytes": sent, "bytes_by_tag": state.meter.by_tag(), "allreduce_bytes": dense,
+            "bytes_vs_allreduce": round(sent / dense, 4) if dense else None,
+            "memory_bytes": kept, "memory_vs_weights": round(kept["total"] / weights, 3) if weights else None,
+            **state.algorithm_report()}
+
+
+def memory(state) -> Dict[str, int]:
+    """:meth:`~.base.AlgorithmState.memory`: the algorithm's kinds (anchor, outer momentum, residual, sync buffers, syncs
+    in flight, AB bases ...), the NaN guard's record, and their ``total``."""
+    kinds = dict(state.algorithm_memory())
+    first = state.alignment.guard.first
+    if first is not None:
+        kinds["nonfinite_guard"] = first.numel() * 8
+    kinds["total"] = sum(kinds.values())
+    return kinds
+
+
+def log_line(state) -> str:
+    """The ``log_every`` line: step, the algorithm's :meth:`~.base.AlgorithmHooks.status`, syncs, bytes against plain
+    allreduce."""
+    sent, dense = state.meter.bytes(), state.step * state.parameter_set.allreduce_bytes()
+    share = f" ({sent / dense:.1%})" if dense else ""
+    status = state.status()
+    return (f"{state.display_name} step {state.step}{' | ' + status if status else ''} | syncs {state.syncs} | "
+            f"sent {size(sent)}{share} of plain allreduce's {size(dense)}")
+
+
+def format_report(name: str, r: dict) -> str:
+    """A :meth:`~.base.AlgorithmState.report` as lines for a log."""
+    head = f"{name} report: step {r['step']}, syncs {r['syncs']}, {size(r['bytes'])} sent"
+    rest = [f"  {k}: {v}" for k, v in r.items() if k not in ("algorithm", "step", "syncs", "bytes", "bytes_by_tag")]
+    tags = "  bytes by tag: " + ", ".join(f"{t}={size(b)}" for t, b in sorted(r["bytes_by_tag"].items()))
+    return "\n".join([head, *rest, tags])
+
+
+def size(nbytes: float) -> str:
+    """Bytes in a unit that shows them: ``1.64 kB``, ``19.28 MB`` (a small model's sends are not ``0.00 MB``)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"

@@ -185,7 +185,7 @@ class QSRState(AlgorithmState):
         self._check_lr(lr)
         self._lr_sums = [s + lr for s in self._lr_sums]  # since each fragment was last sent (outer_normalize)
         if self.H is None:  # a round starts: its period from the lr of its first step (agreed inside Join)
-            self.H = self.agree_on_period(qsr_period(self.step, lr, self.config))
+            self.H = self.alignment.agree_on_period(qsr_period(self.step, lr, self.config))
 
     def _check_lr(self, lr: float) -> None:
         """Warn once if the lr still rises after ``warmup_steps``: the rule would read a warm-up lr as a decayed

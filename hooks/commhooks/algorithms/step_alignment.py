@@ -15,9 +15,21 @@ should be, and to act when they are not:
 * the lr-dependent period every rank uses inside a Join or when an engine may
   leave some ranks' lr behind.
 
-The state keeps the names algorithms and adapters call (``step_proof``,
-``check_proof``, ``agree_on_period``, ``use_scaler``, ``nonfinite_seen`` ...);
-its own code calls ``state.alignment`` directly.
+The state offers ``step_proof``, ``check_proof`` and ``use_scaler`` to
+algorithms and users; everything else is reached as ``state.alignment``.
+
+A run that ends synced.  A local method's ranks hold different models between
+syncs (it declares ``runs_apart``), so a run that stops between two of them
+(the data ran out, a loop ended early, one rank had fewer batches) would end
+with different models, silently.  Four ways close the last round, all ending
+in :meth:`~.base.AlgorithmState.final_sync` (which subclasses extend: land the syncs in flight
+first): ``total_steps`` (the schedule ends its last period with a sync);
+``with state:`` around the loop, or ``state.finish()`` after it; the end of a
+``torch.distributed.algorithms.join.Join`` context with uneven inputs
+(:meth:`StepAlignment.end_join`; ranks out of data shadow the others' steps meanwhile,
+:meth:`StepAlignment.shadow_step`); frameworks' end-of-fit callbacks, which call
+``finish()``.  A per-epoch ``with ddp_model.join():`` on even shards ends
+with every rank stepping together: one flag allreduce, no sync.
 
 And the end-of-run check, once per state, on every rank, for a state whose
 ranks differ between syncs: a run that really ended between two syncs (each
@@ -177,6 +189,27 @@ class StepAlignment:
         state.comm.allreduce([lowest], op="max", group=group, tag="amp-scale", metered=False)
         scale.copy_((-lowest).to(device=scale.device, dtype=scale.dtype).reshape(scale.shape))
         self.scaler._growth_tracker.zero_()  # restart growth from the common scale, as after a backoff
+
+    def shadow_step(self) -> None:
+        """One iteration of the others, on a rank that has run out of data: agree on periods, count the step,
+        take part in its sync or phase switch (and in the reduction of the strays, with zeros); no update."""
+        state = self.state
+        state.joined = True
+        if state.reduces_gradients:
+            reduce_strays(state, shadow=True)
+        state.before_step()
+        state.end_step()
+
+    def end_join(self) -> None:
+        """At the end of a Join context (every rank): sync the open round if some rank ran out of data early."""
+        state = self.state
+        flag = torch.tensor([1.0 if state.joined else 0.0], device=state.device)
+        if state.comm.size > 1:
+            state.comm.allreduce([flag], op="max", tag="join", metered=False)
+        state.joined = False
+        if flag.item():
+            state.final_sync()
+        note_the_end(state)
 
     def agree_on_period(self, local: Optional[int]) -> Optional[int]:
         """The max over ranks inside a Join context (a joined rank sends 0) or when the engine may leave some

@@ -48,8 +48,8 @@ import torch
 from ...comm import Work
 from ...comm.base import flatten
 from ..averaging import clear_optimizer_state
-from ..base import AlgorithmState, size
-from ..parameters import tensors_to
+from ..base import AlgorithmState
+from ..parameters import size, tensors_to
 from ..sync import compressed_mean
 from . import transitions
 from .groups import make_groups
@@ -146,7 +146,7 @@ class ABState(AlgorithmState):
     def before_step(self) -> None:
         """Under ``sync_rule="qsr"``, size an AB phase from the lr it starts with."""
         if needs_length(self.clock, self.config):
-            length = self.agree_on_period(ab_phase_length(self.step, self.lr(), self.config))
+            length = self.alignment.agree_on_period(ab_phase_length(self.step, self.lr(), self.config))
             self.clock.phase_end = self.step + length
 
     def after_step(self) -> None:

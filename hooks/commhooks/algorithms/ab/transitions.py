@@ -16,7 +16,7 @@ import torch
 from ...comm import Comm
 from ...settings import ConfigError
 from ..consistency import nonfinite_anywhere, spread_over_ranks
-from ..helpers import user_stacklevel
+from ..parameters import user_stacklevel
 from .config import ABConfig
 from .lowrank import Basis, basis_from_svd, compression_ratio, rank_of, svd, tall_view
 
