@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ._version import __version__
-from .algorithms.consistency import DivergenceError
+from .algorithms.consistency import DivergenceError, NonFiniteError
 
 MANIFEST = "manifest.json"
 
@@ -201,8 +201,6 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
                                                 device=_device(state, model))).tolist()
     high, low = int(spread[0]), -int(spread[1])
     if spread[2]:
-        from .algorithms.consistency import NonFiniteError
-
         raise NonFiniteError(
             f"save_checkpoint at step {step}: a rank saw a NaN or Inf gradient since its last sync (the weights may "
             "hold it; nothing was written); the rank that saw it names the step and the parameters at its next sync")

@@ -28,14 +28,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import comm as comms
 from . import facts, registry
 from .comm import Comm
 from .config import ConfigError, load_config
 
-# DDP's fact readers live in commhooks.facts, below the algorithms (a state built by hand needs them); here they
-# keep their old names
-buffers_broadcast_each_forward = facts.buffers_broadcast_each_forward
-include_in_join = facts.include_in_join
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -65,9 +62,7 @@ class AllreduceState:
 
     def __init__(self, process_group=None, comm: Optional[Comm] = None):
         if comm is None:
-            from .comm.torch_dist import TorchComm
-
-            comm = TorchComm(process_group)
+            comm = comms.TorchComm(process_group)
         self.comm = comm
 
     @property

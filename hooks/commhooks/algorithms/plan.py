@@ -146,12 +146,13 @@ class SyncPlan:
 @dataclasses.dataclass(frozen=True)
 class Event:
     """One thing a step does: ``land`` fragment k; ``close`` the round (parameters that joined are taken in);
-    ``send`` fragment k, landing after step ``at``; ``end`` the round (``at`` 1: every rank now holds the same
-    weights)."""
+    ``send`` fragment k, landing after step ``at``; ``end`` the round (``complete``: every rank now holds the
+    same weights)."""
 
     kind: str
     fragment: int = 0
     at: int = 0
+    complete: bool = False
 
 
 def lands_at(config, step: int, blocking: bool) -> int:
@@ -181,17 +182,19 @@ def step_events(step: int, since: int, period: int, in_flight: Mapping[int, int]
         events.append(Event("land", k))
         flying.pop(k)
 
-    blocking = force or since >= period and ends_run(config, step)
+    ending = force or since >= period
+    blocking = force or (ending and ends_run(config, step))  # every fragment, sent and landed now
+    # syncs that are due land first (all of them, in fragment order, for a forced sync); then, for a blocking
+    # end, the rest: two passes, because that is the order the collectives run in
     for k in sorted(flying) if force else sorted(k for k, at in in_flight.items() if at <= step):
         land(k)
     if blocking:
         for k in sorted(flying):
             land(k)
-    ending = force or since >= period
     if ending:
         events.append(Event("close"))
     sends = list(range(config.fragments)) if blocking else send_points(period, config.fragments).get(
-        min(since, period), [])
+        period if ending else since, [])
     for k in sends:
         if k in flying:
             land(k)
@@ -202,5 +205,5 @@ def step_events(step: int, since: int, period: int, in_flight: Mapping[int, int]
         else:
             flying[k] = at
     if ending:
-        events.append(Event("end", at=int(blocking and len(sends) == config.fragments or not config.streaming)))
+        events.append(Event("end", complete=blocking or not config.streaming))
     return events

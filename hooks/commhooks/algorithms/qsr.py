@@ -37,15 +37,20 @@ def check_layout(config, named_params, hierarchical: bool) -> None:
     fragment is a view of contiguous parameters (ConfigError on every rank alike); an overlap as long as the
     shortest period hides less than asked (a warning)."""
     c = config
-    numel = sum(p.numel() for _, p in named_params)
-    if 1 < c.fragments > numel:
-        raise ConfigError(f"qsr.fragments must be <= the {numel} synced elements, got {c.fragments}")
     bent = [n for n, p in named_params if not p.is_contiguous()]
-    for needed, what, piece, instead in ((hierarchical, "qsr.hierarchical", "a rank's part", "hierarchical false"),
-                                         (c.fragments > 1, "qsr.fragments > 1", "a fragment", "fragments 1")):
-        if needed and bent:
+
+    def require_contiguous(what: str, piece: str, instead: str) -> None:
+        if bent:
             raise ConfigError(f"{what} needs contiguous parameters ({piece} is a view of them); not contiguous: "
                               f"{bent[:4]} (e.g. channels_last): use {instead}")
+
+    if hierarchical:
+        require_contiguous("qsr.hierarchical", "a rank's part", "hierarchical false")
+    numel = sum(p.numel() for _, p in named_params)
+    if c.fragments > 1 and c.fragments > numel:
+        raise ConfigError(f"qsr.fragments must be <= the {numel} synced elements, got {c.fragments}")
+    if c.fragments > 1:
+        require_contiguous("qsr.fragments > 1", "a fragment", "fragments 1")
     if c.overlap_steps >= c.h_base:
         warnings.warn(
             f"QSR: overlap_steps={c.overlap_steps} >= h_base={c.h_base}: at periods of {c.overlap_steps} steps or "
@@ -163,7 +168,7 @@ class QSRState(AlgorithmState):
             self.replica = Group(f"replica{plan.group}", plan.members)
         else:
             self.replica = [self.comm.new_group(g, name=f"replica{i}") for i, g in enumerate(plan.groups)][plan.group]
-            if self.engine.replica_data_parallel or plan.hierarchical:
+            if plan.sharded:
                 across = replicas.across_groups(list(plan.groups))
                 shards = [self.comm.new_group(g, name=f"shard{i}") for i, g in enumerate(across)]
                 self.shards = shards[replicas.group_of(across, rank)]
@@ -233,12 +238,14 @@ class QSRState(AlgorithmState):
                 scale = self._lr_sums[k] if self.config.outer_normalize == "lr_sum" and self._lr_sums[k] > 0 else 1.0
                 self._lr_sums[k] = 0.0
                 self.driver.send(k, event.at, scale)
-            else:
+            elif event.kind == "end":
                 self.driver.end()
                 self.since_sync, self.H = 0, None
-                if event.at:
+                if event.complete:
                     self._complete_at = self.step
                 self.synced(group=self.shards)
+            else:
+                raise ValueError(f"unknown sync event {event!r}")
 
     def sync_named(self) -> List[Tuple[str, torch.Tensor]]:
         """Parameters, floating buffers (``average_buffers``), optimizer moments (``average_optimizer_state``)."""

@@ -65,7 +65,7 @@ def qsr_traffic(config, setting: Setting) -> Traffic:
         sent = [b[0] for b in body]
         landed = [b[1] + share(f) for b, f in zip(body, frags)]
         ended = world_buffers + (averaged(moments, s, "sync-moments", scope) if moments else [])
-        sync = [x for k in range(len(frags)) for x in sent[k] + landed[k]] + ended
+        sync = [x for b in body for x in b[0] + b[1]] + [x for f in frags for x in share(f)] + ended
     timeline: List[List[Send]] = [list(every_step) for _ in range(s.steps)]
     sync_steps: List[int] = []
     in_flight: Dict[int, int] = {}

@@ -15,8 +15,9 @@ should be, and to act when they are not:
 * the lr-dependent period every rank uses inside a Join or when an engine may
   leave some ranks' lr behind.
 
-The state offers ``step_proof``, ``check_proof`` and ``use_scaler`` to
-algorithms and users; everything else is reached as ``state.alignment``.
+The state offers algorithms ``step_proof`` and ``check_proof`` (beside its
+own ``collective_context``, ``synced`` ...), users ``use_scaler``, engines
+``not_a_training_step``; everything else is reached as ``state.alignment``.
 
 A run that ends synced.  A local method's ranks hold different models between
 syncs (it declares ``runs_apart``), so a run that stops between two of them

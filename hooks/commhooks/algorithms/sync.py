@@ -28,7 +28,7 @@ Tuning: tau should cover a sync's transfer in steps (``commhooks plan``); tau 1-
 keep tau below ``h_base``.  **Hierarchical**: each rank sends its ``1/g`` part across groups, and the group's
 ranks share their parts after each landing (``share-part``); buffers take the world mean.
 
-Memory per fragment (fp32, its size; :meth:`FragmentSync.memory`): anchor, momentum, residual, the weights a
+Memory per fragment (fp32, its size; :func:`~.sync_state.fragment_memory`): anchor, momentum, residual, the weights a
 sync left from until it lands, the send buffer, the mean until it lands; buffers are reused.  A checkpoint
 taken while syncs are in flight waits for their results and saves them: resume is exact.
 """
@@ -84,162 +84,6 @@ def _flat_into(buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tens
     return buf
 
 
-def start_change_mean(comm: Comm, tensors: Sequence[torch.Tensor], anchor: torch.Tensor, codec, proof: torch.Tensor,
-                      buffers: Dict[str, torch.Tensor], group=None, tag: str = "sync", seed: Optional[int] = None,
-                      error_feedback: bool = False, residual: Optional[torch.Tensor] = None,
-                      feedback: Optional[OwnerFeedback] = None,
-                      sent_from: Optional[torch.Tensor] = None) -> Tuple[Work, Optional[torch.Tensor]]:
-    """Start averaging ``anchor - tensors`` (the change since ``anchor``, plus the last ``residual``) through
-    ``codec``, the step proof riding along; returns the :class:`Work` (``wait()``: ``(mean change, mean
-    proof)``) and, with ``error_feedback``, what the codec lost of it (None for fp32).  ``sent_from``: a buffer
-    that keeps the weights sent from; ``buffers``: the caller's reused send buffers; ``feedback``: the
-    two-step exchange's owner residual."""
-    n, p, device = sum(t.numel() for t in tensors), proof.numel(), tensors[0].device
-    packed = None
-    if codec.name == "fp32":  # the allreduce's buffer: the proof, then the change
-        packed = _reused(buffers, "send", p + n, device)
-        packed[:p].copy_(proof)
-        delta = packed[p:]
-    else:
-        delta = _reused(buffers, "delta", n, device)
-    if sent_from is not None:
-        torch.sub(anchor, _flat_into(sent_from, tensors), out=delta)
-    else:  # the weights straight into the send buffer, then anchor - weights in place
-        torch.sub(anchor, _flat_into(delta, tensors), out=delta)
-    if residual is not None:
-        delta += residual
-    sent, lost = None, None
-    if codec.name != "fp32":
-        way = codec.exchange_for(comm.size if group is None else group.size) or codec  # two-step: piece by piece
-        sent = way.encode(delta, seed)
-        if error_feedback:
-            reuse = residual is not None and residual.numel() == n and residual.device == device
-            lost = torch.sub(delta, way.decode(sent, n), out=residual if reuse else torch.empty(n, device=device))
-    return payload.start_mean(comm, delta, codec, codec.block, proof, group=group, tag=tag, sent=sent,
-                              packed=packed, seed=seed, feedback=feedback), lost
-
-
-def compressed_mean(comm: Comm, tensors: Sequence[torch.Tensor], start: torch.Tensor, codec, proof: torch.Tensor,
-                    buffers: Dict[str, torch.Tensor], tag: str = "sync", seed: Optional[int] = None) -> torch.Tensor:
-    """``tensors`` become the world mean, as ``start`` (flat fp32, changed in place) minus the mean of the ranks'
-    changes since ``start`` sent through ``codec`` (AB's compressed sync); returns the ranks' mean proof."""
-    work, _ = start_change_mean(comm, tensors, start, codec, proof, buffers, tag=tag, seed=seed)
-    mean, proofs = work.wait()
-    start -= 1.0 * mean.to(start.device)
-    _write(tensors, start)
-    return proofs
-
-
-class FragmentSync:
-    """One fragment's outer state: anchor, outer momentum (or the user's outer optimizer), error-feedback
-    residual, reused buffers; and its sync in flight."""
-
-    def __init__(self, lr: float, momentum: float, nesterov: bool, codec, block: int, error_feedback: bool,
-                 keep_sent_from: bool = True, make_optimizer=None):
-        self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
-        self.codec = payload.Codec.of(codec, block)  # a Codec, or a codec's name with its block size
-        self.error_feedback = error_feedback
-        self.keep_sent_from = keep_sent_from  # overlapped syncs merge the progress made since: keep the weights
-        self.anchor: Optional[torch.Tensor] = None
-        self.buffer: Optional[torch.Tensor] = None  # outer momentum
-        self.residual: Optional[torch.Tensor] = None  # error feedback
-        self.owner_feedback = OwnerFeedback()  # error feedback of the two-step exchange's second encoding
-        self.buffers: Dict[str, torch.Tensor] = {}  # sync buffers, reused at every sync
-        self.make_optimizer = make_optimizer  # params -> a torch.optim optimizer taking the outer step (None: built-in)
-        self.optimizer: Optional[torch.optim.Optimizer] = None  # over [self.anchor], built at its first step
-        self.optimizer_state: Optional[dict] = None  # loaded before the optimizer exists
-        self.flight: Optional[InFlight] = None
-
-    def take_anchor(self, comm: Comm, tensors: Sequence[torch.Tensor], group=None, averaged: bool = True) -> None:
-        """The anchor: the group's mean of ``tensors`` (which every rank then takes as its weights too); with
-        ``averaged=False`` (every rank holds the same ``tensors``) a copy of them."""
-        self.anchor = flatten([t.detach() for t in tensors]).float().clone()
-        if averaged:
-            comm.allreduce([self.anchor], op="mean", group=group, tag="anchor")
-            _write(tensors, self.anchor)
-
-    @torch.no_grad()
-    def send(self, comm: Comm, tensors: Sequence[torch.Tensor], proof: torch.Tensor, step: int = 0,
-             apply_at: int = 0, group=None, tag: str = "sync", seed: Optional[int] = None, scale: float = 1.0) -> None:
-        """Start averaging this rank's pseudo-gradient; it lands at :meth:`land`.  The weights it left from are
-        kept (``keep_sent_from``) for the progress made while it is in flight."""
-        assert self.flight is None, "this fragment's sync is already in flight"
-        n, device = sum(t.numel() for t in tensors), tensors[0].device
-        self._to(device)
-        kept = _reused(self.buffers, "sent_from", n, device) if self.keep_sent_from else None
-        ef = self.error_feedback
-        work, lost = start_change_mean(comm, tensors, self.anchor, self.codec, proof, self.buffers, group, tag, seed,
-                                       ef, self.residual if ef else None, self.owner_feedback if ef else None, kept)
-        if lost is not None:
-            self.residual = lost
-        self.flight = InFlight(step, apply_at, kept, work, scale)
-
-    @torch.no_grad()
-    def land(self, tensors: Sequence[torch.Tensor], step: int, merge: str = "progress",
-             alpha: float = 1.0) -> Tuple[torch.Tensor, int]:
-        """Wait for the sync and apply it at optimizer ``step``: the outer step, then the weights; returns (mean
-        proof, step it was sent at).  Landing at the step it was sent (a blocking sync), the weights become the
-        new anchor; otherwise ``merge`` keeps ``alpha`` of the progress since (``mix``: ``alpha * local + (1 -
-        alpha) * anchor``)."""
-        flight, self.flight = self.flight, None
-        mean, proofs = flight.work.wait()
-        sent_from = flight.sent_from if step > flight.sent_at else None
-        device = tensors[0].device
-        self._to(device)  # after a load onto the CPU
-        mean = mean.to(device)
-        scale = flight.scale
-        if scale != 1.0:
-            mean = mean / scale
-        if self.make_optimizer is not None:
-            self._optimizer_step(mean, scale)
-        else:
-            step_ = mean
-            if self.momentum:
-                self.buffer = mean.clone() if self.buffer is None else self.buffer.mul_(self.momentum).add_(mean)
-                step_ = mean + self.momentum * self.buffer if self.nesterov else self.buffer
-            self.anchor -= (self.lr * scale) * step_ if scale != 1.0 else self.lr * step_
-        if sent_from is None or alpha == 0.0:
-            _write(tensors, self.anchor)
-        else:
-            now = _flat_into(_reused(self.buffers, "now", sent_from.numel(), device), tensors)
-            _write(tensors, self.anchor + alpha * (now - sent_from.to(device)) if merge == "progress" else (
-                alpha * now + (1.0 - alpha) * self.anchor))
-        return proofs, flight.sent_at
-
-    def sync(self, comm: Comm, tensors: Sequence[torch.Tensor], proof: torch.Tensor, group=None,
-             tag: str = "sync", seed: Optional[int] = None) -> torch.Tensor:
-        """One blocking outer step; ``tensors`` become the new anchor.  Returns the mean of the ranks' proofs."""
-        self.send(comm, tensors, proof, group=group, tag=tag, seed=seed)
-        return self.land(tensors, 0)[0]
-
-    def _optimizer_step(self, mean: torch.Tensor, scale: float) -> None:
-        """The user's outer optimizer steps the anchor with ``mean`` as its gradient (its lr times ``scale``)."""
-        if self.optimizer is None or self.optimizer.param_groups[0]["params"][0] is not self.anchor:
-            saved = self.optimizer.state_dict() if self.optimizer is not None else self.optimizer_state
-            self.optimizer = self.make_optimizer([self.anchor])  # (again after the anchor moved or was loaded)
-            if saved is not None:
-                self.optimizer.load_state_dict(saved)
-            self.optimizer_state = None
-        self.anchor.grad = mean
-        lrs = [g["lr"] for g in self.optimizer.param_groups]
-        for g in self.optimizer.param_groups:
-            g["lr"] = g["lr"] * scale
-        self.optimizer.step()
-        for g, lr in zip(self.optimizer.param_groups, lrs):
-            g["lr"] = lr
-        self.anchor.grad = None
-
-    def _to(self, device) -> None:
-        """After a load onto the CPU: the state goes where the parameters are."""
-        for key in ("anchor", "buffer", "residual"):
-            value = getattr(self, key)
-            if value is not None and value.device != device:
-                setattr(self, key, value.to(device))
-        owned = self.owner_feedback.value
-        if owned is not None and owned.device != device:
-            self.owner_feedback.value = owned.to(device)
-
-
 class SyncDriver:
     """The round driver: runs the events of :func:`~.plan.step_events` on this rank's tensors, as the
     :class:`~.plan.SyncPlan` says (a plain mean, or an outer step per fragment).
@@ -269,7 +113,7 @@ class SyncDriver:
         params = self.params()
         return self.part(self.plan.member, params) if self.plan.hierarchical else params
 
-    def of(self, k: int, tensors: Sequence[torch.Tensor]) -> Tensors:
+    def fragment(self, k: int, tensors: Sequence[torch.Tensor]) -> Tensors:
         """Fragment ``k`` of ``tensors`` (views sharing their storage)."""
         return list(tensors) if len(self.layout) == 1 else run_views(tensors, self.layout[k])
 
@@ -313,7 +157,7 @@ class SyncDriver:
         with host.collective_context():
             same = same_everywhere(host.comm, self.params())
             for k, f in enumerate(self.fragments):
-                f.take_anchor(host.comm, self.of(k, sent), group=self.across, averaged=not same)
+                f.take_anchor(host.comm, self.fragment(k, sent), group=self.across, averaged=not same)
             if not same:
                 self.share()
         if not same:
@@ -333,7 +177,7 @@ class SyncDriver:
         host = self.host
         log.debug("%s step %d: fragment %d sent, lands after step %d", host.display_name, host.step, k, apply_at)
         if not self.plan.outer_step:
-            if self.across is None:
+            if not self.plan.sharded:
                 host.average(self.params() + self.buffers() + self.moments(), tag="sync")
             else:
                 host.average(self.sent() + self.moments(), group=self.across, tag="sync")
@@ -341,7 +185,7 @@ class SyncDriver:
                     self.share()
             return
         with host.collective_context():
-            self.fragments[k].send(host.comm, self.of(k, self.sent()), host.step_proof(), host.step, apply_at,
+            self.fragments[k].send(host.comm, self.fragment(k, self.sent()), host.step_proof(), host.step, apply_at,
                                    group=self.across, tag="sync" if len(self.layout) == 1 else f"sync-f{k}",
                                    seed=host.rounding_seed() * 64 + k, scale=scale)
 
@@ -352,7 +196,7 @@ class SyncDriver:
             log.debug("%s step %d: fragment %d landed, sent after step %d", host.display_name, host.step, k, host.step)
             return
         with host.collective_context():
-            proofs, sent_at = self.fragments[k].land(self.of(k, self.sent()), host.step, self.merge, self.alpha)
+            proofs, sent_at = self.fragments[k].land(self.fragment(k, self.sent()), host.step, self.merge, self.alpha)
             self.share(k)
         log.debug("%s step %d: fragment %d landed, sent after step %d", host.display_name, host.step, k, sent_at)
         host.check_proof(proofs, self.across, "sync", step=sent_at)
@@ -362,7 +206,165 @@ class SyncDriver:
         """The round's buffers (the world mean: they differ inside a replica group) and moments (the parameters'
         group), where the sync itself did not carry them."""
         buffers, moments = self.buffers(), self.moments()
-        if buffers and (self.plan.outer_step or self.across is not None):
+        if buffers and (self.plan.outer_step or self.plan.sharded):
             self.host.average(buffers, tag="sync-buffers")
         if moments and self.plan.outer_step:
             self.host.average(moments, group=self.across, tag="sync-moments")
+
+
+class FragmentSync:
+    """One fragment's outer state: anchor, outer momentum (or the user's outer optimizer), error-feedback
+    residual, reused buffers; and its sync in flight."""
+
+    def __init__(self, lr: float, momentum: float, nesterov: bool, codec, block: int, error_feedback: bool,
+                 keep_sent_from: bool = True, make_optimizer=None):
+        self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
+        self.codec = payload.Codec.of(codec, block)  # a Codec, or a codec's name with its block size
+        self.error_feedback = error_feedback
+        self.keep_sent_from = keep_sent_from  # overlapped syncs merge the progress made since: keep the weights
+        self.anchor: Optional[torch.Tensor] = None
+        self.buffer: Optional[torch.Tensor] = None  # outer momentum
+        self.residual: Optional[torch.Tensor] = None  # error feedback
+        self.owner_feedback = OwnerFeedback()  # error feedback of the two-step exchange's second encoding
+        self.buffers: Dict[str, torch.Tensor] = {}  # sync buffers, reused at every sync
+        self.make_optimizer = make_optimizer  # params -> a torch.optim optimizer taking the outer step (None: built-in)
+        self.optimizer: Optional[torch.optim.Optimizer] = None  # over [self.anchor], built at its first step
+        self.optimizer_state: Optional[dict] = None  # loaded before the optimizer exists
+        self.flight: Optional[InFlight] = None
+
+    def take_anchor(self, comm: Comm, tensors: Sequence[torch.Tensor], group=None, averaged: bool = True) -> None:
+        """The anchor: the group's mean of ``tensors`` (which every rank then takes as its weights too); with
+        ``averaged=False`` (every rank holds the same ``tensors``) a copy of them."""
+        self.anchor = flatten([t.detach() for t in tensors]).float().clone()
+        if averaged:
+            comm.allreduce([self.anchor], op="mean", group=group, tag="anchor")
+            _write(tensors, self.anchor)
+
+    @torch.no_grad()
+    def send(self, comm: Comm, tensors: Sequence[torch.Tensor], proof: torch.Tensor, step: int = 0,
+             apply_at: int = 0, group=None, tag: str = "sync", seed: Optional[int] = None, scale: float = 1.0) -> None:
+        """Start averaging this rank's pseudo-gradient; it lands at :meth:`land`.  The weights it left from are
+        kept (``keep_sent_from``) for the progress made while it is in flight."""
+        assert self.flight is None, "this fragment's sync is already in flight"
+        n, device = sum(t.numel() for t in tensors), tensors[0].device
+        self._to(device)
+        kept = _reused(self.buffers, "sent_from", n, device) if self.keep_sent_from else None
+        ef = self.error_feedback
+        work, lost = start_change_mean(comm, tensors, self.anchor, self.codec, proof, self.buffers, group=group,
+                                       tag=tag, seed=seed, error_feedback=ef, residual=self.residual if ef else None,
+                                       feedback=self.owner_feedback if ef else None, sent_from=kept)
+        if lost is not None:
+            self.residual = lost
+        self.flight = InFlight(step, apply_at, kept, work, scale)
+
+    @torch.no_grad()
+    def land(self, tensors: Sequence[torch.Tensor], step: int, merge: str = "progress",
+             alpha: float = 1.0) -> Tuple[torch.Tensor, int]:
+        """Wait for the sync and apply it at optimizer ``step``: the outer step, then the weights; returns (mean
+        proof, step it was sent at).  Landing at the step it was sent (a blocking sync), the weights become the
+        new anchor; otherwise ``merge`` keeps ``alpha`` of the progress since (``mix``: ``alpha * local + (1 -
+        alpha) * anchor``)."""
+        flight, self.flight = self.flight, None
+        mean, proofs = flight.work.wait()
+        sent_from = flight.sent_from if step > flight.sent_at else None
+        device = tensors[0].device
+        self._to(device)  # after a load onto the CPU
+        mean = mean.to(device)
+        scale = flight.scale
+        if scale != 1.0:
+            mean = mean / scale
+        if self.make_optimizer is not None:
+            self._optimizer_step(mean, scale)
+        else:
+            update = mean
+            if self.momentum:
+                self.buffer = mean.clone() if self.buffer is None else self.buffer.mul_(self.momentum).add_(mean)
+                update = mean + self.momentum * self.buffer if self.nesterov else self.buffer
+            self.anchor -= (self.lr * scale) * update if scale != 1.0 else self.lr * update
+        if sent_from is None or alpha == 0.0:
+            _write(tensors, self.anchor)
+        else:
+            now = _flat_into(_reused(self.buffers, "now", sent_from.numel(), device), tensors)
+            _write(tensors, self.anchor + alpha * (now - sent_from.to(device)) if merge == "progress" else (
+                alpha * now + (1.0 - alpha) * self.anchor))
+        return proofs, flight.sent_at
+
+    def sync(self, comm: Comm, tensors: Sequence[torch.Tensor], proof: torch.Tensor, group=None,
+             tag: str = "sync", seed: Optional[int] = None) -> torch.Tensor:
+        """One blocking outer step; ``tensors`` become the new anchor.  Returns the mean of the ranks' proofs."""
+        self.send(comm, tensors, proof, group=group, tag=tag, seed=seed)
+        return self.land(tensors, 0)[0]
+
+    def _optimizer_step(self, mean: torch.Tensor, scale: float) -> None:
+        """The user's outer optimizer steps the anchor with ``mean`` as its gradient (its lr times ``scale``)."""
+        if self.optimizer is None or self.optimizer.param_groups[0]["params"][0] is not self.anchor:
+            saved = self.optimizer.state_dict() if self.optimizer is not None else self.optimizer_state
+            self.optimizer = self.make_optimizer([self.anchor])  # (again after the anchor moved or was loaded)
+            if saved is not None:
+                self.optimizer.load_state_dict(saved)
+            self.optimizer_state = None
+        self.anchor.grad = mean
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["lr"] * scale
+        self.optimizer.step()
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        self.anchor.grad = None
+
+    def _to(self, device) -> None:
+        """After a load onto the CPU: the state goes where the parameters are."""
+        for key in ("anchor", "buffer", "residual"):
+            value = getattr(self, key)
+            if value is not None and value.device != device:
+                setattr(self, key, value.to(device))
+        owned = self.owner_feedback.value
+        if owned is not None and owned.device != device:
+            self.owner_feedback.value = owned.to(device)
+
+
+def start_change_mean(comm: Comm, tensors: Sequence[torch.Tensor], anchor: torch.Tensor, codec, proof: torch.Tensor,
+                      buffers: Dict[str, torch.Tensor], group=None, tag: str = "sync", seed: Optional[int] = None,
+                      error_feedback: bool = False, residual: Optional[torch.Tensor] = None,
+                      feedback: Optional[OwnerFeedback] = None,
+                      sent_from: Optional[torch.Tensor] = None) -> Tuple[Work, Optional[torch.Tensor]]:
+    """Start averaging ``anchor - tensors`` (the change since ``anchor``, plus the last ``residual``) through
+    ``codec``, the step proof riding along; returns the :class:`Work` (``wait()``: ``(mean change, mean
+    proof)``) and, with ``error_feedback``, what the codec lost of it (None for fp32).  ``sent_from``: a buffer
+    that keeps the weights sent from; ``buffers``: the caller's reused send buffers; ``feedback``: the
+    two-step exchange's owner residual."""
+    n, p, device = sum(t.numel() for t in tensors), proof.numel(), tensors[0].device
+    packed = None
+    if codec.name == "fp32":  # the allreduce's buffer: the proof, then the change
+        packed = _reused(buffers, "send", p + n, device)
+        packed[:p].copy_(proof)
+        delta = packed[p:]
+    else:
+        delta = _reused(buffers, "delta", n, device)
+    if sent_from is not None:
+        torch.sub(anchor, _flat_into(sent_from, tensors), out=delta)
+    else:  # the weights straight into the send buffer, then anchor - weights in place
+        torch.sub(anchor, _flat_into(delta, tensors), out=delta)
+    if residual is not None:
+        delta += residual
+    sent, lost = None, None
+    if codec.name != "fp32":
+        way = codec.exchange_for(comm.size if group is None else group.size) or codec  # two-step: piece by piece
+        sent = way.encode(delta, seed)
+        if error_feedback:
+            reuse = residual is not None and residual.numel() == n and residual.device == device
+            lost = torch.sub(delta, way.decode(sent, n),
+                             out=residual if reuse else torch.empty(n, dtype=torch.float32, device=device))
+    return payload.start_mean(comm, delta, codec, codec.block, proof, group=group, tag=tag, sent=sent,
+                              packed=packed, seed=seed, feedback=feedback), lost
+
+
+def compressed_mean(comm: Comm, tensors: Sequence[torch.Tensor], start: torch.Tensor, codec, proof: torch.Tensor,
+                    buffers: Dict[str, torch.Tensor], tag: str = "sync", seed: Optional[int] = None) -> torch.Tensor:
+    """``tensors`` become the world mean, as ``start`` (flat fp32, changed in place) minus the mean of the ranks'
+    changes since ``start`` sent through ``codec`` (AB's compressed sync); returns the ranks' mean proof."""
+    work, _ = start_change_mean(comm, tensors, start, codec, proof, buffers, tag=tag, seed=seed)
+    mean, proofs = work.wait()
+    start -= mean.to(start.device)
+    _write(tensors, start)
+    return proofs

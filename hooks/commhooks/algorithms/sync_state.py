@@ -84,12 +84,12 @@ def save(driver: SyncDriver) -> Optional[dict]:
     if not driver.plan.outer_step:
         return None
     flights = {}
-    for k, f in enumerate(driver.fragments):
-        if f.flight is not None:
-            mean, proofs = f.flight.work.wait()
-            flights[k] = {"sent_at": f.flight.sent_at, "apply_at": f.flight.apply_at, "scale": f.flight.scale,
-                          "sent_from": None if f.flight.sent_from is None else f.flight.sent_from.clone(),
-                          "mean": mean.clone(), "proofs": proofs.clone()}
+    flying = [(f.flight.sent_at, k, f) for k, f in enumerate(driver.fragments) if f.flight is not None]
+    for _, k, f in sorted(flying, key=lambda x: x[:2]):  # in the order they were sent: waiting may exchange
+        mean, proofs = f.flight.work.wait()
+        flights[k] = {"sent_at": f.flight.sent_at, "apply_at": f.flight.apply_at, "scale": f.flight.scale,
+                      "sent_from": None if f.flight.sent_from is None else f.flight.sent_from.clone(),
+                      "mean": mean.clone(), "proofs": proofs.clone()}
     return {"outers": [fragment_state(f) for f in driver.fragments], "in_flight": flights}
 
 

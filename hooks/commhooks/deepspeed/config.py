@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Any, Mapping
 
-from .. import registry
+from .. import registry, shipped
 from ..config import ConfigError, load_config, read_json
 
 log = logging.getLogger("commhooks")
@@ -29,8 +29,6 @@ def read_ds_config(config) -> dict:
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
-        from .. import shipped
-
         if isinstance(config, str) and shipped.is_bare_name(config):
             config = shipped.find(config)  # a shipped DeepSpeed config by name, e.g. "ds_qsr_bf16_zero2"
         return read_json(config, "DeepSpeed config")

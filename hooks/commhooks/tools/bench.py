@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 from ..launch import free_port
+from ..shipped import shipped_configs
 from .workloads import WORKLOADS
 
 METHODS: Dict[str, List[str]] = {
@@ -118,8 +119,6 @@ def method_source(name: str, model: str = "cnn") -> Dict[str, object]:
     argv = list(METHODS[name])
     opts = dict(zip(argv[::2], argv[1::2]))
     if "--config" in opts:
-        from ..shipped import shipped_configs
-
         own = opts["--config"].replace("_mnist1d.json", f"_{WORKLOADS[model].config_suffix}.json") if (
             model in WORKLOADS) else opts["--config"]
         return {"config": own if Path(own).exists() or Path(own).stem in shipped_configs() else opts["--config"]}
