@@ -43,25 +43,28 @@ def lr_at(step):
     return 0.05 * (1 - step / STEPS) + 1e-3
 
 
+def _bytes_per_step(rank, conf, **options):
+    """``conf`` (a dict with its ``total_steps``) on this rank for STEPS AdamW steps: each step's bytes by tag."""
+    net = DDP(_model(), forward_sync_buffers=False)
+    opt = torch.optim.AdamW(net.parameters(), lr=lr_at(0))
+    state = commhooks.ddp.register(net, opt, conf, **options)
+    steps = []
+    for step in range(STEPS):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        before = dict(state.meter.by_tag())
+        g = torch.Generator().manual_seed(100 * step + rank)
+        opt.zero_grad()
+        F.cross_entropy(net(torch.randn(16, 8, generator=g)), torch.randint(0, 4, (16,), generator=g)).backward()
+        opt.step()
+        steps.append({t: b - before.get(t, 0) for t, b in state.meter.by_tag().items() if b - before.get(t, 0)})
+    return steps
+
+
 def _worker(rank, world):
-    out = {}
-    for name, conf in CONFIGS.items():
-        net = DDP(_model(), forward_sync_buffers=False)
-        opt = torch.optim.AdamW(net.parameters(), lr=lr_at(0))
-        options = {"outer_optimizer": OUTER_OPTIMIZER[name]} if name in OUTER_OPTIMIZER else {}
-        state = commhooks.ddp.register(net, opt, {**conf, "total_steps": STEPS}, **options)
-        steps = []
-        for step in range(STEPS):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            before = dict(state.meter.by_tag())
-            g = torch.Generator().manual_seed(100 * step + rank)
-            opt.zero_grad()
-            F.cross_entropy(net(torch.randn(16, 8, generator=g)), torch.randint(0, 4, (16,), generator=g)).backward()
-            opt.step()
-            steps.append({t: b - before.get(t, 0) for t, b in state.meter.by_tag().items() if b - before.get(t, 0)})
-        out[name] = steps
-    return out
+    return {name: _bytes_per_step(rank, {**conf, "total_steps": STEPS},
+                                  **({"outer_optimizer": OUTER_OPTIMIZER[name]} if name in OUTER_OPTIMIZER else {}))
+            for name, conf in CONFIGS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -115,23 +118,7 @@ def _node_env(local, rank):
 
 
 def _recorded_worker(rank, world):
-    out = {}
-    for label, conf in RECORDED[world]:
-        net = DDP(_model(), forward_sync_buffers=False)
-        opt = torch.optim.AdamW(net.parameters(), lr=lr_at(0))
-        state = commhooks.ddp.register(net, opt, conf)
-        steps = []
-        for step in range(STEPS):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            before = dict(state.meter.by_tag())
-            g = torch.Generator().manual_seed(100 * step + rank)
-            opt.zero_grad()
-            F.cross_entropy(net(torch.randn(16, 8, generator=g)), torch.randint(0, 4, (16,), generator=g)).backward()
-            opt.step()
-            steps.append({t: b - before.get(t, 0) for t, b in state.meter.by_tag().items() if b - before.get(t, 0)})
-        out[label] = steps
-    return out
+    return {label: _bytes_per_step(rank, conf) for label, conf in RECORDED[world]}
 
 
 @pytest.mark.parametrize("world", sorted(RECORDED))
