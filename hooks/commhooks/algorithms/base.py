@@ -221,7 +221,11 @@ class AlgorithmState(AlgorithmHooks):
         self.before_step()
 
     def end_step(self) -> None:
-        """After each optimizer step: count it, then :meth:`after_step`; every ``log_every`` steps a log line."""
+        """After each optimizer step (the last optimizer's post-hook): count it, then :meth:`after_step`; every
+        ``log_every`` steps a log line.  Not after a step that is no training step (:meth:`not_a_training_step`)."""
+        if self.alignment.uncounted:
+            self.alignment.uncounted = False
+            return
         self.step += 1
         watch_the_end(self)
         self.after_step()
@@ -248,7 +252,7 @@ class AlgorithmState(AlgorithmHooks):
     def optimizer_post_step(self, optimizer) -> None:
         """The counterpart of :meth:`optimizer_pre_step`, after the update."""
         if unwrap_optimizer(optimizer) is self.optimizers[-1]:
-            self.alignment.post_step()
+            self.end_step()
 
     def state_dict(self) -> dict:
         """The counters and :meth:`algorithm_state_dict`; NonFiniteError after a NaN/Inf gradient (``"raise"``)."""

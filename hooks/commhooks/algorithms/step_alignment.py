@@ -76,7 +76,7 @@ class StepAlignment:
         for opt in optimizers:
             self.handles.append(opt.register_step_pre_hook(lambda o, args, kwargs: self.pre_step(o, o is first)))
             if opt is last:
-                self.handles.append(opt.register_step_post_hook(lambda o, args, kwargs: self.post_step()))
+                self.handles.append(opt.register_step_post_hook(lambda o, args, kwargs: self.state.end_step()))
 
     def release(self) -> None:
         """Unregister the step hooks and hand AMP scaling back."""
@@ -106,13 +106,6 @@ class StepAlignment:
             state.skipped_steps += 1
         if starts:
             state.begin_step()
-
-    def post_step(self) -> None:
-        """After the last optimizer's step: ``state.end_step`` (not after a step that is no training step)."""
-        if self.uncounted:
-            self.uncounted = False
-        else:
-            self.state.end_step()
 
     def scaler_step(self, optimizer, params) -> tuple:
         """What a GradScaler handed this step: ``(dropped, checked)``: the update was dropped on an overflow
