@@ -20,9 +20,18 @@ BIN = Path(sys.executable).parent
 SCRIPT = str(REPO / "tests" / "scripts" / "ds_equivalence.py")
 
 
-def launch(launcher, config, out, timeout=300):
+def ds_env(**extra):
+    """The environment of a DeepSpeed run here: no other launcher's variables, one thread, and DeepSpeed's compiled
+    ops in the repository's cache (not the user's home: a build killed there would leave a lock every later run
+    waits on)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"))
+    env.update(OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"),
+               TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"), **extra)
+    return env
+
+
+def launch(launcher, config, out, timeout=300):
+    env = ds_env()
     if launcher == "deepspeed":
         deepspeed = BIN / "deepspeed"
         assert deepspeed.exists(), "the deepspeed launcher is missing: the install step (commhooks[deepspeed]) failed"
@@ -117,8 +126,7 @@ def check_ab_bf16(r):
 def replica_runs(tmp_path_factory):
     """tests/scripts/ds_replicas.py once (DeepSpeed is slow to start): every rank's record, and the folder."""
     out = tmp_path_factory.mktemp("ds_replicas")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "MASTER_"))}
-    env.update(OMP_NUM_THREADS="1")
+    env = ds_env()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
          str(REPO / "tests" / "scripts" / "ds_replicas.py"), "--out", str(out)],
@@ -228,7 +236,7 @@ def test_zero3_config_error_on_every_rank_without_hang(tmp_path):
     bad = tmp_path / "ds_zero3.json"
     bad.write_text('{"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3},'
                    ' "comm_hook": {"type": "qsr", "h_base": 2}}')
-    env = dict(os.environ, OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"))
+    env = ds_env()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "commhooks.tools.train",
          "--backend", "deepspeed", "--deepspeed_config", str(bad), "--steps", "3", "--no-progress"],
@@ -239,7 +247,7 @@ def test_zero3_config_error_on_every_rank_without_hang(tmp_path):
 
 
 def test_train_under_deepspeed_launcher(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"))
+    env = ds_env()
     proc = subprocess.run(
         [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(29900 + os.getpid() % 90), "--module",
          "commhooks.tools.train", "--backend", "deepspeed", "--deepspeed_config", str(REPO / "configs" / "ds_ab_mnist1d.json"),
@@ -252,8 +260,7 @@ def test_train_under_deepspeed_launcher(tmp_path):
 
 def test_shipped_bf16_zero2_config_under_the_launcher_script(tmp_path):
     """launchers/deepspeed.sh runs configs/ds_qsr_bf16_zero2.json unchanged: 4 ranks, pairs, bf16, ZeRO 2."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "MASTER_"))}
-    env.update(NUM_GPUS="4", DS_CONFIG="configs/ds_qsr_bf16_zero2.json", MASTER_PORT=str(29800 + os.getpid() % 90))
+    env = ds_env(NUM_GPUS="4", DS_CONFIG="configs/ds_qsr_bf16_zero2.json", MASTER_PORT=str(29800 + os.getpid() % 90))
     out = tmp_path / "summary.json"
     proc = subprocess.run([str(REPO / "launchers" / "deepspeed.sh"), "--steps", "80", "--no-progress", "--log-every", "40",
                            "--json-out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
