@@ -65,10 +65,14 @@ class EngineFacts:
     * ``tensors_changed``: called right after the state changed the synced
       tensors outside an optimizer step (a sync, a re-basis); DeepSpeed
       refreshes the low-precision weights from the fp32 masters there.
-    * ``master_slices``: the tensors handed over are per-parameter views into
-      the engine's flat fp32 master (DeepSpeed's fused optimizers keep one per
-      group), so per-layer algorithms see each layer's matrix; this maps each
-      view to its stretch of the flat parameter, whose optimizer state is one.
+    * ``master_slices``: the tensors handed over are views into the
+      optimizer's parameters, and this maps each view to its stretch
+      ``(parameter, start, end)`` of that parameter's local elements, where
+      its optimizer state and gradient are.  DeepSpeed's fused optimizers
+      keep one flat fp32 master per group (per-layer algorithms see each
+      layer's matrix through the views); FSDP2's parameters are DTensors,
+      and a view is this rank's local shard of one (a sync computes on local
+      tensors only: math on a DTensor runs collectives in the shard group).
     * ``attach``: called with the state once it is built, so the engine's own
       idioms include it, however the state was built (DDP: ``with
       ddp_model.join():`` takes the state in, as ``Join([ddp_model, state])``).
@@ -81,8 +85,8 @@ class EngineFacts:
     replica_data_parallel: bool = False
     lr_may_differ: bool = False
     tensors_changed: Optional[Callable[[], None]] = None
-    master_slices: Optional[dict] = None  # the tensors handed over are views into flat optimizer parameters:
-    # id(view) -> (flat parameter, start, end) (DeepSpeed's fused fp16/bf16 master), for per-tensor optimizer state
+    master_slices: Optional[dict] = None  # id(view) -> (optimizer parameter, start, end): DeepSpeed's fused
+    # fp16/bf16 master, FSDP2's DTensor (whose local part the view is)
     attach: Optional[Callable[[object], None]] = None
 
 

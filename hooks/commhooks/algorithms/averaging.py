@@ -7,8 +7,9 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-# a synced tensor that is a view into a flat optimizer parameter (DeepSpeed's fused fp16/bf16 master): its id ->
-# (the flat parameter, start, end), so the optimizer state of just that stretch can be read or cleared
+# a synced tensor that is a view into an optimizer's parameter (DeepSpeed's fused fp16/bf16 master; the local part
+# of FSDP2's DTensor): its id -> (that parameter, start, end) in the parameter's local elements, so the optimizer
+# state (and the gradient) of just that stretch can be read or cleared
 Slices = Optional[Dict[int, Tuple[torch.Tensor, int, int]]]
 
 from ..comm import Comm
@@ -21,6 +22,13 @@ def float_buffers(module: Optional[torch.nn.Module]) -> List[torch.Tensor]:
     return [] if module is None else [b for b in module.buffers() if torch.is_floating_point(b)]
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (this rank's shard of an FSDP2 parameter, gradient or moment); any other tensor as it
+    is.  A sync computes on local parts only: math on a DTensor would run collectives inside the shard group."""
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else to_local()
+
+
 def optimizer_moments(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
                       slices: Slices = None) -> List[torch.Tensor]:
     """The moment tensors (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``) of ``params``, as tensors that share
@@ -31,7 +39,8 @@ def optimizer_moments(optimizer: torch.optim.Optimizer, params: Iterable[torch.T
         if where is not None:
             flat, a, b = where
             st = optimizer.state.get(flat, {})
-            out += [st[f].view(-1)[a:b] for f in OPTIMIZER_STATE_FIELDS if isinstance(st.get(f), torch.Tensor)]
+            out += [local_part(st[f]).view(-1)[a:b] for f in OPTIMIZER_STATE_FIELDS
+                    if isinstance(st.get(f), torch.Tensor)]
             continue
         st = optimizer.state.get(p, {})
         out += [st[f] for f in OPTIMIZER_STATE_FIELDS if isinstance(st.get(f), torch.Tensor)]
@@ -74,12 +83,13 @@ def clear_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[tor
         flats[id(flat)] = flat
     for key, stretches in cleared.items():
         flat = flats[key]
-        if sum(b - a for a, b in stretches) >= flat.numel():
+        numel = local_part(flat).numel()
+        if sum(b - a for a, b in stretches) >= numel:
             optimizer.state.pop(flat, None)
             continue
         st = optimizer.state.get(flat, {})
         with torch.no_grad():
             for value in st.values():
-                if isinstance(value, torch.Tensor) and value.numel() == flat.numel():
+                if isinstance(value, torch.Tensor) and local_part(value).numel() == numel:
                     for a, b in stretches:
-                        value.view(-1)[a:b].zero_()
+                        local_part(value).view(-1)[a:b].zero_()

@@ -40,6 +40,7 @@ attribute or an environment variable itself.
 
 from __future__ import annotations
 
+
 import logging
 import warnings
 from typing import ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -187,7 +188,7 @@ class AlgorithmState(AlgorithmHooks):
         self.setup()
         verify_same_everywhere(self.comm, f"the {self.display_name} hook", {
             "config": to_dict(self.config), "world": self.comm.size, "version": __version__,
-            "params": [(n, tuple(p.shape)) for n, p in self.named_params], **self.describe()})
+            "params": [(n, self.parameter_set.shape(p)) for n, p in self.named_params], **self.describe()})
         self.start()
         start_equal(self)
         self.begin()
@@ -223,7 +224,7 @@ class AlgorithmState(AlgorithmHooks):
     def end_step(self) -> None:
         """After each optimizer step (the last optimizer's post-hook): count it, then :meth:`after_step`; every
         ``log_every`` steps a log line.  Not after a step that is no training step (:meth:`not_a_training_step`)."""
-        if self.alignment.uncounted:
+        if self.alignment.uncounted or self.alignment.outside:
             self.alignment.uncounted = False
             return
         self.step += 1

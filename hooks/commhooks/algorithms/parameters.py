@@ -34,6 +34,7 @@ import torch
 
 from ..settings import ConfigError
 from ..sources import from_fields, load_as
+from .averaging import local_part
 from .consistency import same_everywhere, verify_same_everywhere
 
 Named = List[Tuple[str, torch.Tensor]]
@@ -73,6 +74,49 @@ class ParameterSet:
                         named.append((f"{where}.param_groups[{i}][{j}]", p))
         return named
 
+    def optimized(self, p: torch.Tensor) -> torch.Tensor:
+        """The optimizer's parameter that ``p`` is (a part of): ``p`` itself, or the flat master / the DTensor
+        whose elements it views (``master_slices``)."""
+        where = self.slices.get(id(p))
+        return p if where is None else where[0]
+
+    def gradient(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """``p``'s gradient: its own, or its stretch of the local part of its optimizer parameter's gradient
+        (FSDP2's reduce-scattered shard).  A flat view, never a DTensor."""
+        where = self.slices.get(id(p))
+        if where is None:
+            return p.grad
+        flat, a, b = where
+        return None if flat.grad is None else local_part(flat.grad).view(-1)[a:b]
+
+    def shape(self, p: torch.Tensor) -> tuple:
+        """The shape the ranks compare for ``p`` at set-up: a view stands for the optimizer parameter it is part
+        of (the parts differ in size inside a shard group: FSDP2's uneven rows, ZeRO-3's padded partitions)."""
+        where = self.slices.get(id(p))
+        return tuple(p.shape) if where is None else tuple(where[0].shape)
+
+    def repoint(self) -> List[str]:
+        """Take again each view whose parameter's storage was replaced since (FSDP2 gives a DTensor new local
+        storage when the module is moved or re-materialized, ``model.to_empty(...)``, ``model.to(...)``; the
+        optimizer keeps the parameter, so a view of the old storage would be synced while training goes on in
+        the new).  A host-side look at each view's address, before a sync touches them; returns the names."""
+        moved = []
+        for i, (name, p) in enumerate(self.named):
+            where = self.slices.get(id(p))
+            if where is None:
+                continue
+            flat, a, b = where
+            now = local_part(flat).detach().view(-1)[a:b]
+            if now.data_ptr() != p.data_ptr() or now.numel() != p.numel():
+                view = now.view(p.shape)
+                self.named[i] = (name, view)
+                del self.slices[id(p)]
+                self.slices[id(view)] = where
+                moved.append(name)
+        if moved:
+            self.name_of = {id(p): n for n, p in self.named}
+        return moved
+
     def new(self) -> Named:
         """Parameters that became trainable or joined an optimizer since (local, no collective)."""
         current = self.collect(None if not self.names_given else list(self.named))
@@ -95,6 +139,7 @@ class ParameterSet:
             for _, p in self.named:
                 seen.add(id(p))
                 out.append(p)
+            seen |= {id(flat) for flat, _, _ in self.slices.values()}  # covered by its views
         for opt in self.optimizers:
             for group in opt.param_groups:
                 for p in group["params"]:

@@ -69,6 +69,17 @@ def split_fragments(sizes: Sequence[int], count: int) -> List[Run]:
     return out
 
 
+def row_shard_numel(shapes: Sequence[Sequence[int]], count: int, member: int) -> int:
+    """Elements of the ``member``-th of ``count`` row shards of tensors of ``shapes``: each tensor's dim 0 cut as
+    ``torch.chunk`` cuts it (chunks of ``ceil(rows / count)``, the last ones shorter or empty), as FSDP2 shards."""
+    total = 0
+    for shape in shapes:
+        rows = shape[0] if shape else 1
+        chunk = math.ceil(rows / count)
+        total += max(0, min(chunk, rows - member * chunk)) * (math.prod(shape[1:]) if shape else 1)
+    return total
+
+
 def run_views(tensors: Sequence, pieces: Run) -> list:
     """The pieces of a run of ``tensors`` as flat views that share their storage (writes land in the tensors)."""
     return [tensors[i].detach().view(-1)[a:b] for i, a, b in pieces]

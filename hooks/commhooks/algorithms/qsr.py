@@ -228,6 +228,8 @@ class QSRState(AlgorithmState):
 
     def _run(self, events: List[Event]) -> None:
         """Run a step's events on the sync driver; the end of a round resets the round and counts the sync."""
+        if events:
+            self.parameter_set.repoint()
         for event in events:
             if event.kind == "land":
                 self.driver.land(event.fragment)

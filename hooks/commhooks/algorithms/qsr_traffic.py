@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from .plan import SyncPlan, runs, step_events
+from .plan import SyncPlan, row_shard_numel, runs, step_events
 from .qsr_config import qsr_period
 from .traffic import Send, Setting, Traffic, averaged, body_sends
 
@@ -39,8 +39,10 @@ def qsr_traffic(config, setting: Setting) -> Traffic:
         return SyncPlan.build(c, s.world, s.rank, s.local_world, s.engine_data_parallel, numel, s.outer_optimizer)
 
     plan = plan_for(n)
-    if plan.engine_sharded:  # the engine hands over its shard: an equal run of the replica's parameters
-        plan = plan_for(runs(n, len(plan.members))[plan.member])
+    if plan.engine_sharded:  # the engine hands over its shard: an equal run of the replica's parameters (ZeRO),
+        # or each parameter's chunk of rows (FSDP2)
+        g, m = len(plan.members), plan.member
+        plan = plan_for(row_shard_numel([shape for _, shape in s.shapes], g, m) if s.shard_rows else runs(n, g)[m])
     part, scope, mine, frags = plan.part_numel, plan.scope, plan.members, plan.fragment_numels
     buffers = s.buffers if c.average_buffers else 0
     moments = s.moments if c.average_optimizer_state else 0
@@ -71,8 +73,8 @@ def qsr_traffic(config, setting: Setting) -> Traffic:
     in_flight: Dict[int, int] = {}
     h, since = None, 0
     for t in range(s.steps):
-        if t == 0 and plan.outer_step and (plan.engine_sharded or not s.same_start):  # the anchor: the group's
-            # mean, fragment by fragment (ranks that start equal keep their own; a ZeRO shard is never the same)
+        if t == 0 and plan.outer_step and not s.same_start:  # the anchor: the group's mean, fragment by fragment
+            # (ranks that start equal keep their own; an engine's shard is compared with its counterparts)
             timeline[t] += [Send("allreduce", 4 * f, "anchor", scope) for f in frags] + share(part)
         if h is None:
             h = qsr_period(t, s.lr(t), c)

@@ -41,6 +41,8 @@ the process exits (:func:`watch_the_end`), so a run closed by ``finish()``,
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import sys
 import warnings
@@ -65,6 +67,7 @@ class StepAlignment:
         self.amp_owned: List[torch.optim.Optimizer] = []
         self.handles: list = []  # the optimizer step hooks (hook)
         self.uncounted = False  # the next optimizer step is no training step (state.not_a_training_step)
+        self.outside = 0  # > 0: inside outside_training(), no optimizer step is a training step
         self._warned_scales = False
 
     # ------------------------------------------------------------ each step
@@ -77,6 +80,18 @@ class StepAlignment:
             self.handles.append(opt.register_step_pre_hook(lambda o, args, kwargs: self.pre_step(o, o is first)))
             if opt is last:
                 self.handles.append(opt.register_step_post_hook(lambda o, args, kwargs: self.state.end_step()))
+
+    @contextlib.contextmanager
+    def outside_training(self):
+        """A context in which optimizer steps are no training steps: not counted, nothing checked or sent.  For
+        library code that steps the optimizer to build its state (torch's ``get_optimizer_state_dict`` and
+        ``set_optimizer_state_dict`` take a zero-lr step on an optimizer without state), whether it steps or
+        not."""
+        self.outside += 1
+        try:
+            yield
+        finally:
+            self.outside -= 1
 
     def release(self) -> None:
         """Unregister the step hooks and hand AMP scaling back."""
@@ -91,7 +106,7 @@ class StepAlignment:
         """Before an optimizer's step: a GradScaler's unscale/skip, the strays, the NaN guard (a dropped update
         counts as a skipped step); the first optimizer's also starts the iteration (``state.begin_step``)."""
         state = self.state
-        if self.uncounted:
+        if self.uncounted or self.outside:
             return
         params = [p for g in optimizer.param_groups for p in g["params"]]
         dropped, checked = self.scaler_step(optimizer, params)  # a GradScaler checked these: it decides
@@ -123,11 +138,11 @@ class StepAlignment:
         """The ``nonfinite`` policy on these gradients: ``"raise"`` records on the device (read at the next sync,
         no host stall); ``"skip"`` drops the update now (one host read per step).  True if dropped."""
         state = self.state
-        own = {id(p) for p in params}
-        positions = [(i, p) for i, (_, p) in enumerate(state.named_params) if id(p) in own]
+        own, covered = {id(p) for p in params}, state.parameter_set
+        positions = [(i, p) for i, (_, p) in enumerate(state.named_params) if id(covered.optimized(p)) in own]
         skip = state.config.nonfinite == "skip"
-        bad = self.guard.observe([(i, p.grad) for i, p in positions], state.step, record=not skip)
-        return skip and skip_gradients([(state.named_params[i][0], p) for i, p in positions], bad)
+        bad = self.guard.observe([(i, covered.gradient(p)) for i, p in positions], state.step, record=not skip)
+        return skip and skip_gradients([(state.named_params[i][0], covered.optimized(p)) for i, p in positions], bad)
 
     # ------------------------------------------------------------ each sync
     def proof(self) -> torch.Tensor:

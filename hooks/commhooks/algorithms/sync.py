@@ -152,10 +152,15 @@ class SyncDriver:
     def take_anchor(self) -> None:
         """First step of an outer step: every rank's anchor is its own copy of the weights, which every rank
         starts from equal (:func:`~.parameters.start_equal`), checked by a 32-byte fingerprint; should
-        they differ all the same (changed on some ranks since), the anchor is their mean."""
+        they differ all the same (changed on some ranks since), the anchor is their mean.  An engine's shard is
+        compared with its counterparts in the other groups (the answer then agreed by the world, 4 bytes)."""
         host, sent = self.host, self.sent()
         with host.collective_context():
-            same = same_everywhere(host.comm, self.params())
+            same = same_everywhere(host.comm, self.params(), group=self.across if self.plan.engine_sharded else None)
+            if self.plan.engine_sharded:  # every rank decides alike (an engine's refresh below is collective)
+                differs = torch.tensor([0.0 if same else 1.0], device=host.device)
+                host.comm.allreduce([differs], op="max", tag="anchor", metered=False)
+                same = not differs.tolist()[0]
             for k, f in enumerate(self.fragments):
                 f.take_anchor(host.comm, self.fragment(k, sent), group=self.across, averaged=not same)
             if not same:

@@ -63,7 +63,8 @@ class Setting:
     elements (BatchNorm statistics); ``moments``: optimizer moment elements (``average_optimizer_state``: 2 per
     parameter for Adam, 1 for SGD with momentum).  ``element_bytes``: of the parameters and gradients.
     ``proof_bytes``: the step proof every sync carries (older recorded runs: 36).  ``engine_data_parallel``: an
-    engine averages inside each replica group itself and hands over its shard (DeepSpeed ZeRO).
+    engine averages inside each replica group itself and hands over its shard: an equal run of the concatenated
+    parameters (DeepSpeed ZeRO), or with ``shard_rows`` each parameter's chunk of rows (FSDP2's ``Shard(0)``).
     ``outer_optimizer`` (QSR): a torch optimizer takes the outer step (``QSRState(outer_optimizer=...)``, Python
     only; a sync is then an outer step whatever the config).  ``factor_ranks`` (AB): the rank of each compressed layer (None: kept dense), one mapping for every AB
     phase or a list, one per phase; AB's ranks come from the data, so without them AB declares a bound.
@@ -81,6 +82,7 @@ class Setting:
     element_bytes: int = 4
     proof_bytes: int = STEP_PROOF_BYTES
     engine_data_parallel: bool = False
+    shard_rows: bool = False
     outer_optimizer: bool = False
     factor_ranks: Optional[object] = None
     same_start: bool = True
