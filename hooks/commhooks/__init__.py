@@ -4,7 +4,7 @@ Public names only; see the documentation (docs/, `make docs`) for usage.  Layers
 down only; ``tests/test_layers.py`` checks it): ``settings`` (the :class:`HookConfig` base,
 :class:`ConfigError`) and ``shipped``; ``comm`` (collectives + byte meter) and ``launch``; ``facts`` (what an
 engine hands an algorithm); ``algorithms`` (``qsr``, ``ab``, the :class:`AlgorithmState` contract); the
-``registry``; ``config`` (loading a config by its ``type``); the engine adapters ``ddp``, ``horovod``,
+``registry``; ``config`` (loading a config by its ``type``); the engine adapters ``ddp``, ``fsdp``, ``horovod``,
 ``deepspeed`` (the last two import their engine only when used) and ``checkpoint``; ``integrations``;
 ``tools`` (trainer, benchmark) needs the ``commhooks[tools]`` extra.
 
@@ -14,7 +14,7 @@ before any ``commhooks`` submodule, so every state class has its ``name`` and ``
 anything can build one.
 """
 
-from . import ddp, launch  # noqa: F401  (public submodules: commhooks.ddp.register, commhooks.launch.init_distributed)
+from . import ddp, fsdp, launch  # noqa: F401  (public submodules: commhooks.ddp.register, commhooks.fsdp.register, commhooks.launch.init_distributed)
 from ._version import __version__
 from .algorithms import ab, qsr
 from .algorithms.ab import ABConfig, ABState, LRRebound
@@ -41,6 +41,7 @@ __all__ = [
     "__version__",
     "ab",
     "ddp",
+    "fsdp",
     "qsr",
     "AlgorithmState",
     "EngineFacts",

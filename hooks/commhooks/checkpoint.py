@@ -172,8 +172,27 @@ def _wait_until_visible(folder: Path, sizes: List[int], timeout_s: float) -> str
         time.sleep(0.05)
 
 
-def _just_synced(state, step: int) -> bool:
+def just_synced(state, step: int) -> bool:
+    """Whether the hook synced right after ``step`` (every rank then holds the same model)."""
     return bool(state is not None and hasattr(state, "in_sync_at") and state.in_sync_at() == step)
+
+
+def agree_to_save(state, model, step: int, who: str = "save_checkpoint") -> None:
+    """Before anything is written: every rank at the same ``step`` (else DivergenceError on every rank) and no
+    rank with a NaN/Inf gradient since its last sync (else NonFiniteError on every rank).  One allreduce."""
+    rank, _ = _rank_world(state)
+    nonfinite = float(bool(state is not None and hasattr(state, "alignment") and state.alignment.guard.seen() is not None))
+    spread = _allreduce_max(state, torch.tensor([float(step), -float(step), nonfinite], dtype=torch.float64,
+                                                device=_device(state, model))).tolist()
+    high, low = int(spread[0]), -int(spread[1])
+    if spread[2]:
+        raise NonFiniteError(
+            f"{who} at step {step}: a rank saw a NaN or Inf gradient since its last sync (the weights may "
+            "hold it; nothing was written); the rank that saw it names the step and the parameters at its next sync")
+    if high != low:
+        raise DivergenceError(
+            f"{who}: the ranks are at different steps (from {low} to {high}; this rank {rank} at {step}): "
+            "call it at the same point of the loop on every rank; nothing was written")
 
 
 def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, step: Optional[int] = None,
@@ -196,19 +215,8 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
             raise ValueError("save_checkpoint needs step= when no hook state is given")
         step = state.step
     rank, world = _rank_world(state)
-    nonfinite = float(bool(state is not None and hasattr(state, "alignment") and state.alignment.guard.seen() is not None))
-    spread = _allreduce_max(state, torch.tensor([float(step), -float(step), nonfinite], dtype=torch.float64,
-                                                device=_device(state, model))).tolist()
-    high, low = int(spread[0]), -int(spread[1])
-    if spread[2]:
-        raise NonFiniteError(
-            f"save_checkpoint at step {step}: a rank saw a NaN or Inf gradient since its last sync (the weights may "
-            "hold it; nothing was written); the rank that saw it names the step and the parameters at its next sync")
-    if high != low:
-        raise DivergenceError(
-            f"save_checkpoint: the ranks are at different steps (from {low} to {high}; this rank {rank} at {step}): "
-            "call it at the same point of the loop on every rank; nothing was written")
-    synced = _just_synced(state, step)
+    agree_to_save(state, model, step)
+    synced = just_synced(state, step)
     if synced_only and not synced:
         return None
     root = Path(directory)

@@ -22,7 +22,6 @@ Build DDP with ``forward_sync_buffers=False`` (torch >= 2.13; older:
 rank 0's buffers on every forward.
 """
 
-import inspect
 from typing import Optional
 
 import torch
@@ -122,13 +121,9 @@ def register(ddp_model, optimizer, config, process_group=None, scaler=None, **st
         state = AllreduceState(process_group)
         ddp_model.register_comm_hook(state, allreduce_hook)
         return state
-    state_class = registry.for_config(config).state_class
-    unknown = [k for k in state_options if k not in inspect.signature(state_class.__init__).parameters]
-    if unknown:
-        raise ConfigError(f"commhooks.ddp.register: {state_class.__name__} takes no {', '.join(map(repr, unknown))} "
-                          "(options beside the config are the state's own keyword arguments, e.g. QSR's "
-                          "outer_optimizer; config keys go in the config)")
-    state = state_class(optimizer=optimizer, model=ddp_model, engine=facts.for_model(ddp_model),
+    algorithm = registry.for_config(config)
+    algorithm.check_options(state_options, "commhooks.ddp.register")
+    state = algorithm.state_class(optimizer=optimizer, model=ddp_model, engine=facts.for_model(ddp_model),
                         process_group=process_group, config=config, **state_options)
     if scaler is not None:
         state.use_scaler(scaler)

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Callable, Dict, List, Optional, Union
 
 from .algorithms.base import AlgorithmState
-from .settings import HookConfig
+from .settings import ConfigError, HookConfig
 
 _ALGORITHMS: Dict[str, "Algorithm"] = {}
 
@@ -45,6 +46,15 @@ class Algorithm:
     config_class: type
     state_class: type
     traffic: Optional[Union[Callable, str]] = None
+
+    def check_options(self, options: dict, who: str) -> None:
+        """ConfigError naming the keyword arguments an adapter was handed beside the config that the state does
+        not take (``who``: the adapter's function, for the message)."""
+        unknown = [k for k in options if k not in inspect.signature(self.state_class.__init__).parameters]
+        if unknown:
+            raise ConfigError(f"{who}: {self.state_class.__name__} takes no {', '.join(map(repr, unknown))} "
+                              "(options beside the config are the state's own keyword arguments, e.g. QSR's "
+                              "outer_optimizer; config keys go in the config)")
 
     def declare_traffic(self, config, setting):
         """The :class:`~commhooks.algorithms.traffic.Traffic` of ``config`` in ``setting``; None if undeclared."""
