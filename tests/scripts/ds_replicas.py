@@ -1,4 +1,4 @@
-"""QSR replica groups inside real DeepSpeed engines (bf16/fp16, ZeRO 0-2), 4 ranks in groups of 2.
+"""QSR replica groups inside real DeepSpeed engines (bf16/fp16, ZeRO 0-3), 4 ranks in groups of 2.
 
     torchrun --nproc_per_node 4 tests/scripts/ds_replicas.py --out DIR
 
@@ -44,7 +44,12 @@ def batch(step, size=32):
 
 
 def flat_weights(m):
-    return torch.cat([q.detach().float().reshape(-1) for q in m.parameters()])
+    """The whole model (under ZeRO-3 its parameters are gathered for the read: a collective in the pair)."""
+    import deepspeed
+
+    params = list(m.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=any(hasattr(q, "ds_tensor") for q in params)):
+        return torch.cat([q.detach().float().reshape(-1).clone() for q in params])
 
 
 def agreement(m):
@@ -106,7 +111,7 @@ def run(precision, stage, steps, hook, overflow_at=None, scheduler=None, resume_
 
 QSR = {"type": "qsr", "h_base": 3, "alpha": 0.0, "warmup_steps": 0, "total_steps": 12, "group_size": 2}
 result = {"rank": rank}
-for stage in (1, 2):
+for stage in (1, 2, 3):
     result[f"bf16_zero{stage}"] = run("bf16", stage, 12, QSR)
 # the lr warms up, so a skipped scheduler step leaves the overflowing pair's lr behind: the rule's period differs
 warm = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.05, "warmup_num_steps": 10,
@@ -133,6 +138,8 @@ straight = run("bf16", 2, 12, QSR)
 resumed = run("bf16", 2, 12, QSR, resume_at=7, ckpt=f"{args.out}/ckpt")
 result["resume"] = {"straight": straight["final"], "resumed": resumed["final"],
                     "sync_steps": (straight["sync_steps"], resumed["sync_steps"])}
+resumed = run("bf16", 3, 12, QSR, resume_at=7, ckpt=f"{args.out}/ckpt3")  # ZeRO-3: the uninterrupted run is above
+result["resume_zero3"] = {"straight": result["bf16_zero3"]["final"], "resumed": resumed["final"]}
 # a script that seeds no model (DeepSpeedExamples' CIFAR): each rank starts from its own weights, and with replica
 # groups of one rank DeepSpeed's start broadcast stays inside each; the state starts them from rank 0's
 result["unseeded"] = {}

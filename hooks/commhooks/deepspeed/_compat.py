@@ -85,7 +85,8 @@ def masters(engine):
     matrix, with ``slices`` mapping each view to its stretch of the flat master (whose optimizer state is
     one).  ZeRO 1/2 and the BF16 optimizer: this rank's flat fp32 partition per param group, refreshed by
     DeepSpeed's ``update_lp_params`` (copy into the low-precision partition, all-gather inside the
-    data-parallel group).
+    data-parallel group).  ZeRO-3: this rank's flat fp32 partition per sub-group, refreshed as the stage-3
+    wrapper does after its update (copy into the parameters' partitions, gather the persistent ones again).
     """
     wrapper, inner = engine.optimizer, engine.basic_optimizer
     if wrapper is inner:
@@ -122,11 +123,51 @@ def masters(engine):
                 lo.data.copy_(hi)
 
         return named, lows, refresh_flat, slices
+    if hasattr(wrapper, "fp32_partitioned_groups_flat"):  # ZeRO-3
+        named, slices = zero3_partitions(engine, wrapper)
+
+        @torch.no_grad()
+        def refresh_zero3():  # what the stage-3 wrapper does after its update (no offload: refused before)
+            for i in range(len(wrapper.fp32_partitioned_groups_flat)):
+                wrapper._reassign_or_swap_out_partitioned_parameters(i)  # fp32 -> the parameters' partitions
+            persistent = wrapper.persistent_parameters  # small parameters stay gathered: their stale whole copies
+            if persistent:                              # are dropped (not written back) and gathered again
+                persistent[0].partition(persistent, has_been_updated=False)
+                persistent[0].all_gather(persistent)
+            wrapper.invalidate_secondary_tensor()
+
+        return named, None, refresh_zero3, slices
     if hasattr(wrapper, "update_lp_params"):  # ZeRO 1/2, BF16_Optimizer: flat partitions
         named = [(f"partition.group{i}.{j}", p) for i, g in enumerate(inner.param_groups) for j, p in enumerate(g["params"])]
         return named, None, wrapper.update_lp_params, None
     raise ConfigError(f"comm_hook does not know DeepSpeed's optimizer {type(wrapper).__name__} (its fp32 master "
-                      "weights are where a sync must act); use fp32, bf16 or fp16 at ZeRO stage 0, 1 or 2")
+                      "weights are where a sync must act); use fp32, bf16 or fp16 at ZeRO stage 0 to 3")
+
+
+def zero3_partitions(engine, wrapper):
+    """ZeRO-3's fp32 masters as one view per parameter: this rank's part of it, without the padding.
+
+    The stage-3 wrapper keeps one flat fp32 partition per sub-group (the inner optimizer's param groups are
+    empty between steps: it hands them over one at a time), each the concatenation of its parameters'
+    partitions, each padded to the same size on every rank of the group.  The padding is never written (the
+    last rank's is whatever memory held), so a fingerprint of whole flats would differ where the weights do
+    not; the views hold the parameter's elements only, named as the module names them, and ``slices`` maps
+    each to its stretch of the flat (whose optimizer state is one)."""
+    import torch.distributed as dist
+
+    name_of = {id(p): n for n, p in engine.module.named_parameters()}
+    member = dist.get_rank(group=wrapper.dp_process_group)
+    named, slices = [], {}
+    for i, (flat, low, params) in enumerate(zip(wrapper.fp32_partitioned_groups_flat,
+                                                 wrapper.fp16_partitioned_groups_flat, wrapper.fp16_groups)):
+        for j, p in enumerate(params):
+            start = (p.ds_tensor.data_ptr() - low.data_ptr()) // low.element_size()
+            size = p.ds_tensor.ds_numel
+            valid = max(0, min(size, p.ds_numel - member * size))
+            view = flat.detach().view(-1)[start: start + valid]
+            named.append((name_of.get(id(p), f"subgroup{i}.param{j}"), view))
+            slices[id(view)] = (flat, start, start + valid)
+    return named, slices
 
 
 def may_skip_steps(engine) -> bool:

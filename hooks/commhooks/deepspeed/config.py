@@ -84,12 +84,8 @@ def check_supported(ds_config: Mapping[str, Any], conf=None) -> None:
         return
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     precision = _precision(ds_config)
-    if stage not in (0, 1, 2):
-        raise ConfigError(
-            f"comm_hook needs zero_optimization.stage 0, 1 or 2, got {stage}: ZeRO-3 partitions the parameters "
-            "themselves and gathers them layer by layer inside forward and backward, so there is no per-rank "
-            "model to average between syncs; use stage 2 (optimizer state and gradients sharded inside the "
-            "replica group) with a comm_hook")
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"comm_hook needs zero_optimization.stage 0, 1, 2 or 3, got {stage}")
     if ds_config.get("managed_gradient_accumulation", True) is False:
         raise ConfigError(
             "comm_hook needs DeepSpeed to manage gradient accumulation (managed_gradient_accumulation: true, "
@@ -104,14 +100,15 @@ def check_supported(ds_config: Mapping[str, Any], conf=None) -> None:
                 "sync averages would live off the accelerator, outside the process group's device; drop the "
                 "offload (or use the hook without it)")
     if registry.for_config(conf).state_class.engine_data_parallel:
-        return  # replica groups: DeepSpeed's own data parallelism inside, any precision, ZeRO 0-2
+        return  # replica groups: DeepSpeed's own data parallelism inside, any precision, ZeRO 0-3 (a sync averages
+        # each rank's fp32 partition with its counterparts: at stage 3 the partition of the parameters themselves)
     if stage:
         raise ConfigError(
             f"comm_hook type {conf.kind!r} needs zero_optimization.stage 0, got {stage}: it reduces gradients "
             "itself, per weight matrix, and ZeRO >= 1 reduce-scatters flat gradient partitions that cut through "
-            "the matrices inside its own optimizer; use stage 0 (fp32 or bf16, with DeepSpeed's Adam/AdamW or your "
-            "own optimizer), or a hook with "
-            "replica groups (qsr) for ZeRO 1/2")
+            "the matrices inside its own optimizer (ZeRO-3 partitions the parameters themselves); use stage 0 (fp32 "
+            "or bf16, with DeepSpeed's Adam/AdamW or your own optimizer), or a hook with replica groups (qsr) for "
+            "ZeRO 1-3")
     if precision == "fp16":
         raise ConfigError(
             f"comm_hook type {conf.kind!r} does not support DeepSpeed's fp16.enabled=true: it averages gradients "
