@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..launch import free_port
 from ..shipped import shipped_configs
+from .anchors import ANCHORS
 from .workloads import WORKLOADS
 
 METHODS: Dict[str, List[str]] = {
@@ -98,10 +99,14 @@ METHODS: Dict[str, List[str]] = {
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
 
 
-def method_argv(name: str, model: str) -> List[str]:
+def method_argv(name: str, model: str, engine: str = "ddp") -> List[str]:
     """The trainer's arguments for ``name``: a method's config ``configs/<x>_mnist1d.json`` becomes the
-    workload's own ``configs/<x>_<suffix>.json`` where one exists (``--model gpt``: ``_gpt``)."""
+    workload's own ``configs/<x>_<suffix>.json`` where one exists (``--model gpt``: ``_gpt``).  ``engine``
+    ``fsdp``: every method but PyTorch's own DDP hooks (compute-only among them) runs on FSDP2 sharded over a
+    node's ranks; ``ddp`` (no hook) is then FSDP2's own HSDP, an all-reduce across the nodes every step."""
     argv = list(METHODS[name])
+    if engine != "ddp" and not (argv[:1] == ["--hook"] and argv[1] in ANCHORS):
+        argv += ["--backend", engine]
     if "--config" in argv:
         i = argv.index("--config") + 1
         own = argv[i].replace("_mnist1d.json", f"_{WORKLOADS[model].config_suffix}.json")
@@ -266,7 +271,7 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
     common = ["--steps", str(args.steps), "--model", args.model, "--seed", str(seed), "--no-progress"]
     repeats = getattr(args, "repeats", 1) if repeats is None else repeats
     runs_of = {name: [name] + [f"{name}#{k}" for k in range(1, repeats)] for name in methods}
-    spec = {run: method_argv(name, args.model) + common + ["--label", name, "--json-out", str(out / f"{run}.rank{{rank}}.json")]
+    spec = {run: method_argv(name, args.model, getattr(args, "engine", "ddp")) + common + ["--label", name, "--json-out", str(out / f"{run}.rank{{rank}}.json")]
             for k in range(repeats) for name in methods for run in [runs_of[name][k]]}  # repeats interleaved
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
@@ -458,7 +463,8 @@ def title(results: dict) -> str:
     s = results["setup"]
     workload = "byte-level GPT" if quality_metric(results) == "val_loss" else f"MNIST-1D {s['model'].upper()}"
     where = f"{s['ranks']} ranks on {s['nodes']} nodes" if across_nodes(results) else f"{s['ranks']} ranks"
-    return f"{workload}, {where}, {s['steps']} steps"
+    engine = ", FSDP2 sharded in each node (ddp: FSDP2's own HSDP)" if s.get("engine") == "fsdp" else ""
+    return f"{workload}, {where}, {s['steps']} steps{engine}"
 
 
 def accuracy_points(results: dict) -> dict:
@@ -523,6 +529,9 @@ def plots(results: dict, out: Path) -> List[str]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="commhooks bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from: {', '.join(METHODS)}")
+    p.add_argument("--engine", choices=("ddp", "fsdp"), default="ddp",
+                   help="fsdp: FSDP2 shards the model over each node's ranks; the method syncs across nodes, and "
+                        "ddp is FSDP2's own HSDP (PyTorch's own hooks, compute-only among them, stay on DDP)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--nodes", type=int, default=None,
                    help="simulated nodes (default: one per rank): a node's ranks share one namespace and one "
@@ -623,7 +632,8 @@ def _run(args, out: Path) -> int:
         # on loopback --nodes still groups the ranks by node (LOCAL_WORLD_SIZE): "vs DDP" then compares the bytes
         # the meter counts on groups spanning nodes, as the wire counter would with namespaces
         results = {"setup": {"ranks": args.ranks, "nodes": lab.nodes if lab else args.nodes, "steps": args.steps,
-                             "model": args.model, "seed": args.seed, "seeds": args.seeds, "repeats": args.repeats,
+                             "model": args.model, "engine": args.engine, "seed": args.seed, "seeds": args.seeds,
+                             "repeats": args.repeats,
                              "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
                              "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}, "methods": {}}
         for bw in args.bandwidths:

@@ -47,7 +47,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "fp16, powersgd, local-sgd, compute-only = PyTorch's own, for comparison (DDP only); "
                         "default: the type of --config, else none")
     p.add_argument("--config", help="hook settings: JSON file (configs/...) with the fields of the hook's config")
-    p.add_argument("--backend", choices=("ddp", "deepspeed", "horovod"), default="ddp", help="engine the hook plugs into")
+    p.add_argument("--backend", choices=("ddp", "fsdp", "deepspeed", "horovod"), default="ddp",
+                   help="engine the hook plugs into; fsdp: FSDP2 shards the model inside each replica group of "
+                        "--replica-group ranks (--hook none: FSDP2's own HSDP, an all-reduce across them every step)")
+    p.add_argument("--replica-group", type=int, default=None,
+                   help="--backend fsdp: ranks per replica group, over which FSDP2 shards (default: ranks per node)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the model trains: cuda = cuda:LOCAL_RANK (NCCL; DDP with device_ids), cpu = gloo; "
                         "auto = cuda when a GPU is present")
@@ -101,6 +105,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False); use --device cpu")
+    if args.backend == "fsdp" and args.checkpoint_dir:
+        p.error("--checkpoint-dir with --backend fsdp: the trainer's checkpoints are per-rank files; FSDP2 runs "
+                "save with commhooks.fsdp.save_checkpoint (DCP) in your script")
+    if args.replica_group is not None and (args.backend != "fsdp" or args.replica_group < 1):
+        p.error(f"--replica-group {args.replica_group}: a size >= 1, with --backend fsdp")
     if args.clip and args.backend == "horovod":
         p.error("--clip with --backend horovod: Horovod averages gradients inside optimizer.step(), after any "
                 "clipping here; use --clip 0 (or --backend ddp / deepspeed)")
@@ -216,6 +225,9 @@ def build_trainer(args, model, conf, workload):
         else:
             state = ddp_adapter.register(net, optimizer, conf)
         forward, step = net, lambda: optimizer.step()  # looked up late: the scheduler wraps it
+    elif args.backend == "fsdp":
+        net, optimizer, state = shard(model, conf, args.replica_group, new_optimizer)
+        forward, step = net, lambda: optimizer.step()
     elif args.backend == "horovod":
         import horovod.torch as hvd
 
@@ -269,6 +281,25 @@ def build_trainer(args, model, conf, workload):
         return torch.stack(losses).mean(), scheduler.get_last_lr()[0]
 
     return train_step, state, micro, accumulation, optimizer, scheduler
+
+
+def shard(model, conf, replica_group, new_optimizer):
+    """FSDP2 on ``model``: each block, then the root, sharded over the replica group (ranks per node unless
+    given); with a hook, over the shard dimension and the hook across the groups, without one over both
+    dimensions (FSDP2's own HSDP, the baseline)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from .. import fsdp as fsdp_adapter
+
+    size = replica_group or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    mesh = fsdp_adapter.replica_mesh(size, next(model.parameters()).device.type)
+    over = mesh if conf is None else mesh["shard"]
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, mesh=over)
+    fully_shard(model, mesh=over)
+    optimizer = new_optimizer()
+    state = None if conf is None else fsdp_adapter.register(model, optimizer, conf)
+    return model, optimizer, state
 
 
 def start(args):
@@ -364,7 +395,7 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         "wire_bytes_per_rank": None if wire_before is None else {k: wire_after[k] - wire_before[k] for k in wire_before},
         "step_ms": round(1000 * wall / max(1, args.steps - first_step), 3),
         "resumed_from": first_step,
-        "params_checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "params_checksum": float(sum(_whole(p).detach().double().sum() for p in model.parameters())),
         "syncs": state.syncs if isinstance(state, AlgorithmState) else (None if args.hook in ANCHORS else args.steps),
         "wall_s": round(wall, 2),
         "config": cfg.to_dict(conf),
@@ -380,6 +411,11 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """A parameter as a whole tensor (an FSDP2 DTensor gathered: a collective every rank makes here)."""
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
 def format_summary(s: dict) -> str:
