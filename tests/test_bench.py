@@ -233,3 +233,13 @@ def test_pictures_of_a_multinode_run_plot_the_bytes_crossing_the_node_links(tmp_
     assert [r for r in md.splitlines() if r.startswith("| qsr-int8-hier |")][0].split(" | ")[5] == "0.025"
     for png in ("accuracy_vs_bytes.png", "time_vs_bandwidth.png"):
         assert (tmp_path / png).stat().st_size > 10_000
+
+
+def test_engine_fsdp_runs_every_method_on_fsdp2_but_pytorchs_own_ddp_hooks():
+    from commhooks.tools.bench import method_argv
+
+    assert method_argv("ddp", "gpt", "fsdp")[-2:] == ["--backend", "fsdp"]  # FSDP2's own HSDP
+    assert method_argv("qsr-int2-hier", "gpt", "fsdp")[-2:] == ["--backend", "fsdp"]
+    for anchor in ("compute-only", "powersgd-r4", "fp16"):
+        assert "--backend" not in method_argv(anchor, "gpt", "fsdp"), anchor
+    assert "--backend" not in method_argv("qsr-int2-hier", "gpt")

@@ -287,9 +287,35 @@ def test_refusals_name_the_setting_that_causes_them():
     from commhooks.integrations.lightning import CommHookCallback as LightningHook
     from commhooks.integrations.transformers import CommHookCallback as TrainerHook
 
-    with pytest.raises(ConfigError, match=r"strategy is FSDPStrategy.*sharded model \(FSDP"):
+    with pytest.raises(ConfigError, match=r"strategy is FSDPStrategy.*sharded model \(FSDP.*commhooks\.fsdp"):
         LightningHook({"type": "qsr", "h_base": 2}).on_fit_start(
             SimpleNamespace(precision="32-true", strategy=FSDPStrategy()), None)
     with pytest.raises(ConfigError, match=r"deepspeed='ds.json'.*use_cpu=True.*switches DeepSpeed off"):
         TrainerHook({"type": "qsr", "h_base": 2})._begin_deepspeed(
             SimpleNamespace(deepspeed="ds.json", use_cpu=True), None, torch.nn.Linear(2, 2))
+
+
+def _accelerate_fsdp(rank, world):
+    """Accelerate with a model FSDP2 shards (as its FSDP plugin does): register refuses, naming why."""
+    import torch
+    from accelerate import Accelerator
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from commhooks.config import ConfigError
+    from commhooks.integrations import accelerate as acc_hook
+
+    accelerator = Accelerator(cpu=True)
+    model = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (world,)))
+    try:
+        acc_hook.register(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), {"type": "qsr"})
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_accelerate_refuses_its_fsdp_naming_the_route_that_works():
+    from tests.dist import run_ranks
+
+    for said in run_ranks(_accelerate_fsdp, 2, timeout=120):
+        assert said is not None and "Accelerate's FSDP plugin" in said and "commhooks.fsdp.register" in said, said

@@ -167,7 +167,25 @@ def _worker(rank, world, tmp):
     _train_from(model, opt, state, rank, 6, 7, save=(7, f"{tmp}/mid-round"))
     out["refused"] = _refusals(tmp)
     out["moved"] = _moved(rank)
+    out["nan"] = _nan(rank)
     return out
+
+
+def _nan(rank):
+    """A NaN in one rank's local gradient shard at its second step: every rank raises at the sync after step 3,
+    naming the step and the parameter (the guard reads each DTensor gradient's local part)."""
+    model, opt, state = _sharded(*CASES["plain"])
+    try:
+        for step in range(STEPS):
+            x, y = batch(step, rank, 8)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if step == 1 and rank == 3:
+                model[4].weight.grad.to_local().view(-1)[0] = float("nan")
+            opt.step()
+    except commhooks.NonFiniteError as exc:
+        return state.step, str(exc)
+    return state.step, None
 
 
 def _moved(rank):
@@ -277,3 +295,11 @@ def test_what_cannot_work_is_refused_on_every_rank_naming_why(runs, name):
 def test_syncs_follow_a_parameter_moved_to_new_storage(runs):
     for r in runs:
         assert torch.equal(r["moved"], r["plain"]["fsdp"][0])
+
+
+def test_a_nan_in_one_shard_is_named_on_every_rank_at_the_next_sync(runs):
+    for rank, r in enumerate(runs):
+        step, said = r["nan"]
+        assert step == 3 and said is not None, (rank, r["nan"])
+        if rank == 3:
+            assert "at optimizer step 1 on rank 3 in: 4.weight" in said, said  # the steps done before it

@@ -130,3 +130,67 @@ def test_plan_config_of_an_algorithm_registered_outside_the_package(tmp_path):
     n = sum(p.numel() for p in __import__("commhooks.tools.models", fromlist=["x"]).build_model("cnn").parameters())
     assert rows["toy"]["syncs"] == 300 and rows["toy"]["bytes_per_step"] == 4 * n + (4 * n + PROOF) / 4
     assert rows["toy"]["bytes_per_step"] > rows["DDP"]["bytes_per_step"] == 4 * n
+
+
+FSDP_RUN = REPO / "results" / "bench-gpt-fsdp-2026-12-05" / "results.json"
+
+
+def test_fsdp_run_bytes_are_declared_and_its_times_predicted():
+    """The GPT run on FSDP2 (4 ranks, 2 nodes, sharded in each): every commhooks method's meter is its declaration
+    of shard syncs; what the payload counter saw beside it is FSDP2's own traffic in the node as declared (two
+    all-gathers of the shard, a reduce-scatter of the gradients per step) plus the unmetered checks (under 1 kB);
+    FSDP2's HSDP is that plus its shard all-reduced across the nodes every step, to the byte; the planner
+    predicts each method's step time within 25 %."""
+    data = json.loads(FSDP_RUN.read_text())
+    setup = data["setup"]
+    assert setup["engine"] == "fsdp" and setup["ranks"] == 4 and setup["nodes"] == 2
+    shapes, schedule = plan.model_shapes(setup["model"]), plan.bench_schedule(setup)
+    layout = plan.Layout(nodes=2, ranks_per_node=2)
+    setting = plan.Setting.of(shapes, world=4, local_world=2, steps=schedule.steps)
+    fsdp = plan.fsdp_traffic(setting).bytes()
+    numel = {n: __import__("math").prod(s) for n, s in shapes}
+    blocks = sum(v for n, v in numel.items() if n.startswith("blocks."))
+    # per step: the blocks' shards gathered twice, the root's once, the whole gradient reduce-scattered
+    assert fsdp == setup["steps"] * 4 * (blocks + (sum(numel.values()) - blocks) // 2 + sum(numel.values()))
+    checked = 0
+    for name, m in data["methods"].items():
+        source = bench.method_source(name, setup["model"])
+        if source.get("hook") == "compute-only":
+            assert m["payload_bytes_per_rank"] == 0
+            continue
+        t = plan.declared(source, shapes, schedule, layout, engine="fsdp")
+        for r in range(4):  # each rank's counter, by group: its node's pair, and its counterpart on the other node
+            groups = json.loads((FSDP_RUN.parent / f"{name}.rank{r}.json").read_text())["payload_bytes_by_group"]
+            node, across = ("0-1", f"{r % 2}-{r % 2 + 2}") if r < 2 else ("2-3", f"{r % 2}-{r % 2 + 2}")
+            assert groups[node] == fsdp, (name, r, groups)  # FSDP2's own traffic in the node, to the byte
+            if "config" in source:  # the syncs as declared, beside the checks the meter does not count (the
+                # first anchor's 32-byte fingerprint and 4-byte verdict, 128 bytes per sync)
+                assert 0 <= groups[across] - t.bytes() <= 32 + 128 * m["syncs"], (name, r, groups)
+            else:  # FSDP2's HSDP: its shard all-reduced across the nodes every step
+                assert groups[across] == t.bytes(), (name, r, groups)
+        if "config" in source:
+            assert m["meter_bytes_per_rank"] == t.bytes(), name
+        checked += 1
+    assert checked == 3
+    rows = plan.validate(str(FSDP_RUN))
+    assert {r["method"] for r in rows} == set(data["methods"]) and all(not r["bytes_measured"] for r in rows)
+    bad = [(r["method"], r["error"]) for r in rows if abs(r["error"]) > 0.25]
+    assert not bad, bad
+
+
+def test_plan_fsdp_rows_for_a_cluster():
+    """--engine fsdp: FSDP2's traffic in every row run on it, the HSDP row, no AB row (refused on shards)."""
+    out = subprocess.run([sys.executable, "-m", "commhooks.cli", "plan", "--engine", "fsdp", "--model", "gpt",
+                          "--nodes", "8", "--ranks-per-node", "4", "--inter-gbit", "25", "--compute-ms", "100",
+                          "--methods", "ddp,qsr-int8-hier,ab-groups,compute-only", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = {r["method"]: r for r in json.loads(out)}
+    assert set(rows) == {"ddp", "qsr-int8-hier", "compute-only"}
+    shapes = plan.model_shapes("gpt")
+    n = sum(__import__("math").prod(s) for _, s in shapes)
+    blocks = sum(__import__("math").prod(s) for name, s in shapes if name.startswith("blocks."))
+    in_node = 4 * (blocks / 4 + n / 4) + 4 * n  # the blocks' quarter twice, the root's once; the gradients
+    assert rows["ddp"]["bytes_per_step"] == in_node + 4 * n / 4 and rows["ddp"]["bytes_between_nodes_per_step"] == n
+    assert rows["qsr-int8-hier"]["bytes_between_nodes_per_step"] < 4 * n / 50  # under 2 % of the model
+    assert rows["compute-only"]["bytes_per_step"] == 0 and rows["ddp"]["speedup_vs_ddp"] == 1.0
+    assert rows["ddp"]["step_ms"] > rows["qsr-int8-hier"]["step_ms"] > rows["compute-only"]["step_ms"]

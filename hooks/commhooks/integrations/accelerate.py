@@ -64,11 +64,25 @@ def _note_loads() -> None:
 _note_loads()
 
 
+def _sharded(model) -> bool:
+    """Whether Accelerate's FSDP plugin (FSDP2's ``fully_shard`` or FSDP1's wrapper) shards ``model``."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
+
+
 def register(accelerator, model, optimizer, config, scaler=None):
     """The algorithm's state for ``config`` on the prepared ``model`` (DDP) and ``optimizer``; every rank's state
     saved and restored with ``accelerator.save_state`` / ``load_state``.  Call on every rank, after ``prepare``;
     before or after ``load_state`` (after it, each rank's own state is restored here)."""
     ddp_model = find_ddp(model)
+    if ddp_model is None and _sharded(model):
+        raise ConfigError(
+            "commhooks.integrations.accelerate.register: the model is sharded by Accelerate's FSDP plugin, which "
+            "shards over every rank (or, with dp_replicate_size, is FSDP2's own HSDP, all-reducing across the "
+            "replicas every step): there are no replica groups for commhooks to sync. Accelerate's FSDP is not "
+            "integrated yet: shard with FSDP2 over commhooks.fsdp.replica_mesh(group_size)['shard'] in your own "
+            "loop and call commhooks.fsdp.register (docs: engines/fsdp.md), or use Accelerate's DDP")
     if ddp_model is None:
         raise ConfigError(
             "commhooks.integrations.accelerate.register needs the model accelerator.prepare returned, wrapped in "

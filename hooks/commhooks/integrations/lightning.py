@@ -88,7 +88,9 @@ class CommHookCallback(Callback):
                 f"CommHookCallback needs Lightning's DDP strategy (strategy='ddp' on 2 or more processes); this "
                 f"Trainer's strategy is {strategy}, whose model is a {type(ddp_model).__name__}"
                 + (": commhooks does not run over a sharded model (FSDP, ModelParallelStrategy, DeepSpeed) inside "
-                   "Lightning yet; use strategy='ddp'" if sharded else ""))
+                   "Lightning yet (its FSDP shards over the whole world or as FSDP2's own HSDP, which all-reduces "
+                   "across replicas every step); use strategy='ddp', or FSDP2 in your own loop with commhooks.fsdp "
+                   "(docs: engines/fsdp.md)" if sharded else ""))
         steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else trainer.estimated_stepping_batches
         steps = int(steps) if steps != float("inf") else None
         unset = "warmup_steps" in getattr(type(self.config), "schedule_keys", {}) and (

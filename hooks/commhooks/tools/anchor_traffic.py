@@ -6,6 +6,8 @@ elements: DDP (``none``) one allreduce of ``4 N``; ``fp16`` ``2 N``; ``powersgd`
 ``start_iter`` steps, then per matrix the P and Q factors (``(m + n) r``, fp32) where that compresses by at
 least 2x (torch's ``min_compression_rate``), every other tensor uncompressed; ``local-sgd`` ``4 N`` for
 ``start_iter`` steps, then a parameter average of ``4 N`` every ``period`` steps; ``compute-only`` nothing.
+FSDP2 sharding a model over a node's ``g`` ranks (``commhooks bench --engine fsdp``): inside the node every step
+(:func:`fsdp_traffic`), and for its own HSDP across the nodes (:func:`hsdp_traffic`).
 torch's hooks have no commhooks meter: the benchmark's payload counter measures them.
 """
 
@@ -14,9 +16,11 @@ from __future__ import annotations
 import math
 from typing import List, Tuple
 
+from ..algorithms.plan import row_shard_numel
 from ..algorithms.traffic import Send, Setting, Traffic
 
 DENSE, COMPUTE_ONLY = "none", "compute-only"  # DDP's own allreduce; no communication at all
+ENGINES = ("ddp", "fsdp")  # what the methods run on: DDP, or FSDP2 sharding the model over a node's ranks
 
 
 def powersgd_step_bytes(shapes, rank: int, min_rate: float = 2.0) -> Tuple[int, int, int]:
@@ -66,6 +70,34 @@ def anchor_traffic(method: str, setting: Setting, powersgd_rank: int = 4, local_
     if s.world == 1:
         timeline = [()] * steps
     return Traffic(list(timeline), timeline[-1] if timeline else (), sync, sync_steps)
+
+
+def _shard_bytes(s: Setting, names=None) -> int:
+    """fp32 bytes of this rank's FSDP2 shard (each parameter's chunk of rows) in a group of the node's ranks, of
+    the parameters ``names`` picks (default: all)."""
+    g = s.local_world or s.world
+    return 4 * row_shard_numel([shape for n, shape in s.shapes if names is None or names(n)], g, s.rank % g)
+
+
+def fsdp_traffic(setting: Setting, blocks: str = "blocks.") -> Traffic:
+    """FSDP2's own traffic inside a replica group of ``setting.local_world`` ranks, every step, each rank's
+    contribution in fp32, as the trainer shards (``fully_shard`` on each of the model's ``blocks``, then the root):
+    a block's parameters all-gathered for forward and again for backward, the root's once (FSDP2 keeps the
+    root's gathered from forward through backward), the gradients reduce-scattered (the whole model; a
+    reduce-scatter moves what an all-to-all of the same input moves, so it is declared as one)."""
+    s, g = setting, setting.local_world or setting.world
+    in_blocks = _shard_bytes(s, lambda n: n.startswith(blocks))
+    step = (Send("allgather", in_blocks, "fsdp-gather", "group"),
+            Send("allgather", _shard_bytes(s), "fsdp-gather", "group"),
+            Send("alltoall", 4 * s.numel, "fsdp-reduce-scatter", "group")) if g > 1 else ()  # one rank: nothing
+    return Traffic([step] * s.steps, step, group=g)
+
+
+def hsdp_traffic(setting: Setting) -> Traffic:
+    """FSDP2's own HSDP across the nodes, besides :func:`fsdp_traffic`: every step each rank all-reduces its shard
+    of the gradients with the same shard on the other nodes (fp32)."""
+    send = (Send("allreduce", _shard_bytes(setting), "grad", "across"),)
+    return Traffic([send] * setting.steps, send, group=setting.local_world or setting.world)
 
 
 LABELS = {DENSE: "DDP", "fp16": "DDP fp16", "powersgd": "PowerSGD", "local-sgd": "post-local SGD",

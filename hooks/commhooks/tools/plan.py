@@ -22,6 +22,11 @@ method.  Time from a latency-bandwidth model of the collectives:
   (``--replica-groups`` turns replica groups of a node and ``hierarchical`` on
   for the configs that have them).
 
+``--engine fsdp``: the model sharded by FSDP2 over a node's ranks.  Every method then also carries FSDP2's own
+traffic inside the node each step (two all-gathers of the rank's shard, a reduce-scatter of the gradients); the
+algorithms sync shards across the nodes, and DDP's row is FSDP2's own HSDP (its shard all-reduced across the
+nodes every step).
+
 Links run at ``efficiency`` of their rate (TCP/IP over Ethernet frames carries
 ~94 % payload).  A step is ``compute + method overhead + communication``,
 nothing overlapped (DDP overlaps part of its allreduce with backward, so DDP's
@@ -44,7 +49,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..algorithms.alignment import STEP_PROOF_BYTES as PROOF  # the step proof in every commhooks sync
 from ..algorithms.traffic import Setting, Traffic as Declared
 from ..algorithms.traffic import describe
-from .anchor_traffic import COMPUTE_ONLY, DENSE, anchor_label, anchor_traffic
+from .anchor_traffic import COMPUTE_ONLY, DENSE, ENGINES, anchor_label, anchor_traffic, fsdp_traffic, hsdp_traffic
+
+DDP, FSDP = ENGINES
 
 Shapes = List[Tuple[str, Tuple[int, ...]]]
 
@@ -176,15 +183,23 @@ def read_config(path: str) -> dict:
 
 def declared(source: dict, shapes: Shapes, schedule: Schedule, layout: "Layout", proof: int = PROOF,
              overrides: Optional[dict] = None, buffers: int = 0, rank: int = 0,
-             moments_per_param: int = 2, same_start: bool = True) -> Declared:
+             moments_per_param: int = 2, same_start: bool = True, engine: str = DDP) -> Optional[Declared]:
     """The declared traffic of one method: ``{"config": path or dict}`` (its registered algorithm declares it, asked
     for a run of ``schedule.steps`` steps) or a baseline ``{"hook": ...}`` (:mod:`.anchor_traffic`).
     ``moments_per_param``: optimizer moments a sync may average (AdamW: 2).  ``same_start``: the ranks start
-    from the same weights (runs recorded before 2026-12-05 averaged them anyway: False)."""
+    from the same weights (runs recorded before 2026-12-05 averaged them anyway: False).  ``engine`` ``fsdp``:
+    the method on FSDP2 sharded over a node's ranks (FSDP2's own part in the node: ``fsdp_traffic``): an algorithm
+    syncs its shards across the nodes (None if it cannot run on shards), DDP's baseline is FSDP2's HSDP, the
+    other PyTorch hooks do not run there (None), compute-only stays what it is."""
     setting = Setting.of(shapes, world=layout.world, local_world=layout.ranks_per_node, rank=rank,
                          steps=schedule.steps, lr=schedule.lr, proof_bytes=proof, buffers=buffers,
-                         moments=moments_per_param * sum(math.prod(s) for _, s in shapes), same_start=same_start)
+                         moments=moments_per_param * sum(math.prod(s) for _, s in shapes), same_start=same_start,
+                         engine_data_parallel=engine == FSDP, shard_rows=engine == FSDP)
     if "hook" in source:
+        if engine == FSDP and source["hook"] == DENSE:
+            return hsdp_traffic(setting)
+        if engine == FSDP and source["hook"] != COMPUTE_ONLY:
+            return None
         return anchor_traffic(source["hook"], setting, source.get("powersgd_rank", 4), source.get("local_period", 8),
                               schedule.anchor_start)
     from .. import registry
@@ -193,6 +208,10 @@ def declared(source: dict, shapes: Shapes, schedule: Schedule, layout: "Layout",
     raw = source["config"] if isinstance(source["config"], dict) else read_config(source["config"])
     algorithm = registry.get(raw.get("type", ""))
     fields = algorithm.config_class.model_fields
+    if engine == FSDP:
+        if not algorithm.state_class.engine_data_parallel:
+            return None  # refused on a sharded model (commhooks.fsdp says why)
+        overrides = {**(overrides or {}), "group_size": layout.ranks_per_node}  # the shard group, as register sets
     raw = {**raw, **{k: v for k, v in (overrides or {}).items() if k in fields}}
     if "total_steps" in fields:
         raw["total_steps"] = schedule.steps
@@ -225,6 +244,10 @@ class Load:
     calls_across: float = 0.0
     calls_intra: float = 0.0
     measured: bool = False  # bytes taken from a benchmark, not from a declaration
+
+    def __add__(self, other: "Load") -> "Load":
+        return Load(**{f: getattr(self, f) + getattr(other, f) for f in self.__dataclass_fields__ if f != "measured"},
+                    measured=self.measured)
 
     @classmethod
     def of(cls, t: Declared, layout: "Layout") -> "Load":
@@ -292,13 +315,16 @@ def comm_ms(t: Load, layout: Layout) -> float:
 
 def predict(methods: Dict[str, dict], shapes: Shapes, layout: Layout, compute_ms: float, schedule: Schedule,
             overhead_ms: Optional[Dict[str, float]] = None, measured_bytes: Optional[Dict[str, float]] = None,
-            overrides: Optional[dict] = None, proof: int = PROOF, buffers: int = 0) -> List[dict]:
+            overrides: Optional[dict] = None, proof: int = PROOF, buffers: int = 0, engine: str = DDP) -> List[dict]:
     """One row per method (label -> source, see :func:`declared`): bytes per rank per step, predicted step time,
-    speed-up against DDP (the dense allreduce baseline, when among them).  A declaration that is only a bound
-    (AB: its ranks come from the data) gives way to ``measured_bytes`` where the benchmark measured them."""
+    speed-up against DDP (the dense allreduce baseline, when among them; FSDP2's HSDP with ``engine`` fsdp).  A
+    declaration that is only a bound (AB: its ranks come from the data) gives way to ``measured_bytes`` where the
+    benchmark measured them.  FSDP2's own traffic in the node (``fsdp_traffic``) is added to every method it runs."""
     rows = []
+    own = fsdp_traffic(Setting.of(shapes, world=layout.world, local_world=layout.ranks_per_node,
+                                  steps=schedule.steps)) if engine == FSDP else None
     for label, source in methods.items():
-        t = declared(source, shapes, schedule, layout, proof, overrides, buffers)
+        t = declared(source, shapes, schedule, layout, proof, overrides, buffers, engine=engine)
         if t is not None and t.exact:
             load = Load.of(t, layout)
         elif measured_bytes and label in measured_bytes:
@@ -307,6 +333,8 @@ def predict(methods: Dict[str, dict], shapes: Shapes, layout: Layout, compute_ms
             load = Load.of(t, layout)
         else:
             continue
+        if own is not None and source.get("hook") != COMPUTE_ONLY and not load.measured:
+            load = load + Load.of(own, layout)
         step = compute_ms + (overhead_ms or {}).get(label, 0.0) + comm_ms(load, layout)
         rows.append({"method": label, "bytes_per_step": load.payload, "step_ms": step,
                      "bytes_between_nodes_per_step": load.between_nodes(layout),
@@ -328,18 +356,33 @@ def _bench():
     return bench
 
 
+def _unlimited_ms(folder: Path, setup: dict, methods: dict) -> Dict[str, float]:
+    """Each method's step time on an unlimited link: the run's own, or, for a run measured on limited links only,
+    that of its second seed's quality run (``seed<k>/``: those run on an unlimited link)."""
+    if "unlimited" in setup["bandwidths"]:
+        return {name: m["step_ms"]["unlimited"] for name, m in methods.items()}
+    seeds = setup.get("seeds") or []
+    if len(seeds) < 2:
+        raise SystemExit(f"{folder}: no run on an unlimited link to calibrate the methods' overhead with")
+    return {name: json.loads((folder / f"seed{seeds[1]}" / f"{name}.rank0.json").read_text())["step_ms"]
+            for name in methods}
+
+
 def validate(bench_json: str) -> List[dict]:
     """Predicted vs measured step time for every method and limited link of a ``commhooks bench`` run.
 
     Calibration per method from the same run: compute-only's step time at each link (the machine's compute
-    there) and the method's overhead on the unlimited link.  Bytes from the declarations (measured ones where a
+    there) and the method's overhead on the unlimited link (:func:`_unlimited_ms`).  Bytes from the declarations (measured ones where a
     declaration is only a bound, e.g. AB, whose ranks the data decides)."""
     data = json.loads(open(bench_json).read())
     setup, methods = data["setup"], data["methods"]
+    unlimited = _unlimited_ms(Path(bench_json).parent, setup, methods)
     shapes = model_shapes(setup["model"])
     schedule = bench_schedule(setup)
+    engine = setup.get("engine", DDP)
     sources = {name: _bench().method_source(name, setup["model"]) for name in methods if name in _bench().METHODS}
-    base = methods[next(k for k, v in sources.items() if v.get("hook") == COMPUTE_ONLY)]["step_ms"]
+    co = next(k for k, v in sources.items() if v.get("hook") == COMPUTE_ONLY)
+    base = methods[co]["step_ms"]
     rows = []
     nodes = setup.get("nodes") or setup["ranks"]
     for bw in setup["bandwidths"]:
@@ -350,9 +393,9 @@ def validate(bench_json: str) -> List[dict]:
         for name, m in methods.items():
             if name not in sources:
                 continue
-            overhead = {name: m["step_ms"]["unlimited"] - base["unlimited"]}
+            overhead = {name: unlimited[name] - unlimited[co]}
             row = predict({name: sources[name]}, shapes, layout, base[bw], schedule, overhead,
-                          {name: m["payload_bytes_per_rank"]})
+                          {name: m["payload_bytes_per_rank"]}, engine=engine)
             if not row:
                 continue
             predicted, measured = row[0]["step_ms"], m["step_ms"][bw]
@@ -388,6 +431,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--declarations", action="store_true",
                    help="print what each config (--config, default: every shipped one) declares a step and a sync "
                         "send on --model and the cluster layout, as a markdown table (the docs include it)")
+    p.add_argument("--engine", choices=ENGINES, default=DDP,
+                   help="fsdp: FSDP2 shards the model over a node's ranks (its all-gathers and reduce-scatter there, "
+                        "every step); the methods sync across nodes, DDP's row is FSDP2's own HSDP")
     p.add_argument("--replica-groups", action="store_true",
                    help="configs with replica groups: groups of a node's ranks, hierarchical syncs across nodes")
     p.add_argument("--calibrate", help="a commhooks bench results.json: method overheads and compute from it")
@@ -437,14 +483,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     overrides = {"group_size": None, "hierarchical": True} if args.replica_groups else None
     try:
         rows = predict(methods, shapes, layout, compute, schedule, overhead, overrides=overrides,
-                       buffers=model_buffers(args.model))
+                       buffers=model_buffers(args.model), engine=args.engine)
     except (ConfigError, KeyError) as exc:
         p.error(str(exc).strip('"'))
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "declared"} for r in rows], indent=1))
         return 0
     n = sum(math.prod(s) for _, s in shapes)
-    print(f"{args.model}: {n / 1e6:.2f} M parameters; {layout.nodes} nodes x {layout.ranks_per_node} ranks, "
+    print(f"{args.model}: {n / 1e6:.2f} M parameters{' sharded by FSDP2 in each node' if args.engine == FSDP else ''}; "
+          f"{layout.nodes} nodes x {layout.ranks_per_node} ranks, "
           f"{layout.inter_gbit:g} Gbit/s between nodes, {layout.intra_gbit:g} inside; compute {compute:.2f} ms/step; "
           f"{schedule.steps} steps (predictions, not measurements)")
     print("| method | bytes/rank/step | between nodes | syncs | predicted ms/step | vs DDP |\n"
@@ -527,7 +574,8 @@ def _methods(args, schedule, shapes, layout) -> Dict[str, dict]:
     elif not names:
         for name in _bench().METHODS:
             source = _bench().method_source(name, args.model if args.model in ("cnn", "mlp", "gpt") else "cnn")
-            t = declared(source, shapes, Schedule(min(schedule.steps, 60), schedule.warmup, schedule.peak_lr), layout)
+            t = declared(source, shapes, Schedule(min(schedule.steps, 60), schedule.warmup, schedule.peak_lr), layout,
+                         engine=args.engine)
             if t is not None and t.exact:
                 names.append(name)
     for name in (x for x in names if x):
