@@ -40,7 +40,6 @@ attribute or an environment variable itself.
 
 from __future__ import annotations
 
-
 import logging
 import warnings
 from typing import ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -224,8 +223,7 @@ class AlgorithmState(AlgorithmHooks):
     def end_step(self) -> None:
         """After each optimizer step (the last optimizer's post-hook): count it, then :meth:`after_step`; every
         ``log_every`` steps a log line.  Not after a step that is no training step (:meth:`not_a_training_step`)."""
-        if self.alignment.uncounted or self.alignment.outside:
-            self.alignment.uncounted = False
+        if not self.alignment.counts_this_step():
             return
         self.step += 1
         watch_the_end(self)

@@ -68,6 +68,16 @@ def fingerprint(tensors: Sequence[torch.Tensor], device) -> torch.Tensor:
     return total
 
 
+def anywhere(comm: Comm, flag: bool, tag: str = "check") -> bool:
+    """Whether ``flag`` holds on any rank of the world (a verdict each rank reached alone, made everyone's): one
+    unmetered 4-byte max allreduce and a host read, the same answer on every rank."""
+    if comm.size == 1:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=comm.device)
+    comm.allreduce([value], op="max", tag=tag, metered=False)
+    return bool(value.item())
+
+
 def same_everywhere(comm: Comm, tensors: Sequence[torch.Tensor], group=None) -> bool:
     """Whether every rank of ``group`` (default: the world) holds the same ``tensors``: their
     :func:`fingerprint` compared by one unmetered max/min allreduce of 32 bytes; one host read, the same answer

@@ -35,7 +35,7 @@ import torch
 from ..settings import ConfigError
 from ..sources import from_fields, load_as
 from .averaging import local_part
-from .consistency import same_everywhere, verify_same_everywhere
+from .consistency import anywhere, same_everywhere, verify_same_everywhere
 
 Named = List[Tuple[str, torch.Tensor]]
 
@@ -88,6 +88,14 @@ class ParameterSet:
             return p.grad
         flat, a, b = where
         return None if flat.grad is None else local_part(flat.grad).view(-1)[a:b]
+
+    def step_gradients(self, params: Sequence[torch.Tensor]) -> List[Tuple[int, Optional[torch.Tensor]]]:
+        """(position, :meth:`gradient`) of each covered tensor that the optimizer parameters ``params`` update,
+        at every step (the NaN guard's input): without views, the tensors themselves, no lookup per tensor."""
+        own = {id(p) for p in params}
+        if not self.slices:
+            return [(i, p.grad) for i, (_, p) in enumerate(self.named) if id(p) in own]
+        return [(i, self.gradient(p)) for i, (_, p) in enumerate(self.named) if id(self.optimized(p)) in own]
 
     def shape(self, p: torch.Tensor) -> tuple:
         """The shape the ranks compare for ``p`` at set-up: a view stands for the optimizer parameter it is part
@@ -261,9 +269,7 @@ def start_equal(state) -> None:
             comm.broadcast([t.data for t in tensors if t.dtype == dtype], src=src, group=over, tag="start")
         fixed.append("the synced tensors" if over is None else "the shards")
     if group is not None:  # shard groups decide apart: the engine's refresh (a collective) runs on all or none
-        anywhere = torch.tensor([1.0 if fixed else 0.0], device=state.device)
-        comm.allreduce([anywhere], op="max", tag="start", metered=False)
-        if anywhere.tolist()[0] and not fixed:
+        if anywhere(comm, bool(fixed), tag="start") and not fixed:
             fixed.append("another group's shards")
     if fixed:
         state.tensors_changed()

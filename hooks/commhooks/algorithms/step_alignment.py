@@ -52,7 +52,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import alignment
-from .consistency import NonFiniteError, NonfiniteGuard, skip_gradients
+from .consistency import NonFiniteError, NonfiniteGuard, anywhere, skip_gradients
 from .parameters import reduce_strays, user_stacklevel
 
 
@@ -80,6 +80,16 @@ class StepAlignment:
             self.handles.append(opt.register_step_pre_hook(lambda o, args, kwargs: self.pre_step(o, o is first)))
             if opt is last:
                 self.handles.append(opt.register_step_post_hook(lambda o, args, kwargs: self.state.end_step()))
+
+    def counts_this_step(self) -> bool:
+        """Whether the optimizer step just taken is a training step: not one inside :meth:`outside_training`, nor
+        the one ``state.not_a_training_step()`` announced (that mark is used up here)."""
+        if self.outside:
+            return False
+        if self.uncounted:
+            self.uncounted = False
+            return False
+        return True
 
     @contextlib.contextmanager
     def outside_training(self):
@@ -137,12 +147,12 @@ class StepAlignment:
     def guard_step(self, params: Sequence[torch.Tensor]) -> bool:
         """The ``nonfinite`` policy on these gradients: ``"raise"`` records on the device (read at the next sync,
         no host stall); ``"skip"`` drops the update now (one host read per step).  True if dropped."""
-        state = self.state
-        own, covered = {id(p) for p in params}, state.parameter_set
-        positions = [(i, p) for i, (_, p) in enumerate(state.named_params) if id(covered.optimized(p)) in own]
+        state, covered = self.state, self.state.parameter_set
+        grads = covered.step_gradients(params)
         skip = state.config.nonfinite == "skip"
-        bad = self.guard.observe([(i, covered.gradient(p)) for i, p in positions], state.step, record=not skip)
-        return skip and skip_gradients([(state.named_params[i][0], covered.optimized(p)) for i, p in positions], bad)
+        bad = self.guard.observe(grads, state.step, record=not skip)
+        named = state.named_params
+        return skip and skip_gradients([(named[i][0], covered.optimized(named[i][1])) for i, _ in grads], bad)
 
     # ------------------------------------------------------------ each sync
     def proof(self) -> torch.Tensor:
@@ -212,11 +222,9 @@ class StepAlignment:
     def end_join(self) -> None:
         """At the end of a Join context (every rank): sync the open round if some rank ran out of data early."""
         state = self.state
-        flag = torch.tensor([1.0 if state.joined else 0.0], device=state.device)
-        if state.comm.size > 1:
-            state.comm.allreduce([flag], op="max", tag="join", metered=False)
+        joined = anywhere(state.comm, state.joined, tag="join")
         state.joined = False
-        if flag.item():
+        if joined:
             state.final_sync()
         note_the_end(state)
 

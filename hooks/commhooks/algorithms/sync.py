@@ -45,7 +45,7 @@ from ..comm import Comm, Work
 from ..comm.base import flatten, unflatten_into
 from ..settings import ConfigError
 from . import payload
-from .consistency import same_everywhere
+from .consistency import anywhere, same_everywhere
 from .exchange import OwnerFeedback
 from .plan import SyncPlan, run_views, split_fragments, split_views
 
@@ -158,9 +158,7 @@ class SyncDriver:
         with host.collective_context():
             same = same_everywhere(host.comm, self.params(), group=self.across if self.plan.engine_sharded else None)
             if self.plan.engine_sharded:  # every rank decides alike (an engine's refresh below is collective)
-                differs = torch.tensor([0.0 if same else 1.0], device=host.device)
-                host.comm.allreduce([differs], op="max", tag="anchor", metered=False)
-                same = not differs.tolist()[0]
+                same = not anywhere(host.comm, not same, tag="anchor")
             for k, f in enumerate(self.fragments):
                 f.take_anchor(host.comm, self.fragment(k, sent), group=self.across, averaged=not same)
             if not same:
