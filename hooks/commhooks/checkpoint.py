@@ -236,8 +236,7 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
             optimizer.state_dict(),
             "hook": None if state is None else state.state_dict(),
             "scheduler": None if scheduler is None else scheduler.state_dict(),
-            "rng": torch.get_rng_state(),
-            "cuda_rng": _cuda_rng_state(model),
+            **rng_states(model),
             "extra": extra,
         }, folder / f"rank{rank}.pt")
     except Exception as exc:  # noqa: BLE001 - any failure to write: a full disk, an unpicklable `extra`
@@ -396,10 +395,7 @@ def _restore(ck: dict, model, optimizer, state, scheduler) -> None:
         state.load_state_dict(ck["hook"])
     if scheduler is not None and ck["scheduler"] is not None:
         scheduler.load_state_dict(ck["scheduler"])
-    torch.set_rng_state(ck["rng"])
-    device = _model_device(model)
-    if ck.get("cuda_rng") is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(ck["cuda_rng"], device)
+    restore_rng_states(ck, model)
 
 
 def _model_device(model) -> torch.device:
@@ -407,7 +403,17 @@ def _model_device(model) -> torch.device:
     return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
-def _cuda_rng_state(model) -> Optional[torch.Tensor]:
-    """The RNG state of the CUDA device the model is on (None for a model elsewhere)."""
+def rng_states(model) -> dict:
+    """The RNG states a checkpoint keeps: the CPU's (``rng``), and the CUDA device's the model is on (``cuda_rng``,
+    None for a model elsewhere: dropout on a GPU draws from it)."""
     device = _model_device(model)
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def restore_rng_states(saved: dict, model) -> None:
+    """Set the RNG states :func:`rng_states` kept (the CUDA one on the device the model is on)."""
+    torch.set_rng_state(saved["rng"])
+    device = _model_device(model)
+    if saved.get("cuda_rng") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(saved["cuda_rng"], device)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .._version import __version__
-from ..checkpoint import CheckpointError, agree_to_save, just_synced
+from ..checkpoint import CheckpointError, agree_to_save, just_synced, restore_rng_states, rng_states
 from .model import shard_group
 
 KEY = "commhooks"
@@ -44,10 +44,6 @@ def _dcp():
     from torch.distributed.checkpoint import state_dict as sd
 
     return dcp, sd
-
-
-def _group_size(model) -> int:
-    return len(shard_group(model))
 
 
 def _bytes(obj) -> io.BytesIO:
@@ -77,10 +73,8 @@ def save_checkpoint(path, model, optimizer, state, scheduler=None, synced_only: 
     if synced_only and not synced:
         return None
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    mine = {"version": __version__, "step": step, "rank": rank, "hook": state.state_dict(),
-            "rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-    group = _group_size(model)
+    mine = {"version": __version__, "step": step, "rank": rank, "hook": state.state_dict(), **rng_states(model)}
+    group = len(shard_group(model))
     layout = {"world_size": world, "group_size": group, "step": step, "synced": synced}
     content = _replica(rank // group, {"model": sd.get_model_state_dict(model),
                                        "optimizer": sd.get_optimizer_state_dict(model, optimizer)})
@@ -122,7 +116,7 @@ def load_checkpoint(path, model, optimizer, state, scheduler=None) -> Optional[d
     path = str(path)
     if not Path(path).exists():
         return None
-    rank, world, group = dist.get_rank(), dist.get_world_size(), _group_size(model)
+    rank, world, group = dist.get_rank(), dist.get_world_size(), len(shard_group(model))
     layout = _layout(dcp, path)
     if layout is None:
         raise CheckpointError(
@@ -147,9 +141,7 @@ def load_checkpoint(path, model, optimizer, state, scheduler=None) -> Optional[d
     if scheduler is not None:
         scheduler.load_state_dict(_record(content["scheduler"]))
     if source == rank:  # another layout: the ranks draw on from their own generators
-        torch.set_rng_state(mine["rng"])
-        if mine.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(mine["cuda_rng"], torch.cuda.current_device())
+        restore_rng_states(mine, model)
     return mine
 
 

@@ -31,14 +31,13 @@ def shard_group(model: torch.nn.Module) -> Tuple[int, ...]:
     if len(meshes) != 1:
         raise ConfigError(f"commhooks.fsdp: the parameters are sharded over {len(meshes)} different meshes; "
                           "shard every block over the same mesh['shard']")
-    mesh = next(iter(meshes.values()))
+    (_, ranks), mesh = next(iter(meshes.items()))
     if mesh.ndim != 1:
         raise ConfigError(
             f"commhooks.fsdp: the model is sharded over a {mesh.ndim}-D mesh {mesh.mesh_dim_names}: that is FSDP2's "
             "own HSDP, which all-reduces every gradient across the replicas at every step (the traffic a local "
             "method saves).  Shard over the shard dimension only: fully_shard(module, mesh=mesh['shard']), with "
             "mesh = commhooks.fsdp.replica_mesh(group_size)")
-    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
     size, rank = len(ranks), dist.get_rank()
     first = rank - rank % size
     if ranks != tuple(range(first, first + size)):
