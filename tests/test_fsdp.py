@@ -49,16 +49,19 @@ def _conf(extra):
     return {"type": "qsr", "h_base": 3, "alpha": 0.0, "group_size": 2, **extra}
 
 
-def _train(net, opt, state, rank, steps, features):
-    by_tag = []
-    for step in range(steps):
+def _train(net, opt, state, rank, start=0, stop=STEPS, save=None):
+    """Steps ``start`` .. ``stop - 1`` (the run's end is the caller's), saving after step ``save[0]`` to
+    ``save[1]`` if given; returns each step's bytes by tag."""
+    features, by_tag = getattr(net, "module", net)[0].in_features, []
+    for step in range(start, stop):
         before = dict(state.meter.by_tag())
         x, y = batch(step, rank, features)
         opt.zero_grad()
         F.cross_entropy(net(x), y).backward()
         opt.step()
         by_tag.append({k: v - before.get(k, 0) for k, v in state.meter.by_tag().items() if v - before.get(k, 0)})
-    state.finish()
+        if save is not None and step + 1 == save[0]:
+            commhooks.fsdp.save_checkpoint(save[1], net, opt, state)
     return by_tag
 
 
@@ -68,7 +71,8 @@ def _ddp(make, extra, rank):
     net = DDP(make(), broadcast_buffers=False)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     state = commhooks.ddp.register(net, opt, {**_conf(extra), "hierarchical": True})
-    by_tag = _train(net, opt, state, rank, STEPS, net.module[0].in_features)
+    by_tag = _train(net, opt, state, rank)
+    state.finish()
     return torch.cat([p.detach().reshape(-1) for p in net.module.parameters()]), by_tag
 
 
@@ -93,31 +97,21 @@ def _full(model):
 
 def _fsdp(make, extra, rank):
     model, opt, state = _sharded(make, extra)
-    by_tag = _train(model, opt, state, rank, STEPS, model[0].in_features)
+    by_tag = _train(model, opt, state, rank)
+    state.finish()
     return _full(model), by_tag, state.report(), state.memory()
-
-
-def _train_from(model, opt, state, rank, start, stop, save=None):
-    """Steps ``start`` .. ``stop - 1`` (without the run's end), saving after step ``save`` if given."""
-    for step in range(start, stop):
-        x, y = batch(step, rank, model[0].in_features)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        if save is not None and step + 1 == save[0]:
-            commhooks.fsdp.save_checkpoint(save[1], model, opt, state)
 
 
 def _resume(case, stop_at, folder, rank):
     """An uninterrupted run beside one saved after step ``stop_at`` and resumed by a fresh model and state."""
     make, extra = CASES[case]
     model, opt, state = _sharded(make, extra)
-    _train_from(model, opt, state, rank, 0, STEPS, save=(stop_at, folder))
+    _train(model, opt, state, rank, save=(stop_at, folder))
     state.finish()
     whole = _full(model)
     model, opt, state = _sharded(make, extra)
     loaded = commhooks.fsdp.load_checkpoint(folder, model, opt, state)
-    _train_from(model, opt, state, rank, stop_at, STEPS)
+    _train(model, opt, state, rank, stop_at)
     state.finish()
     return whole, _full(model), loaded["step"]
 
@@ -162,9 +156,9 @@ def _worker(rank, world, tmp):
     # for the 2-rank run: a synced checkpoint (after step 6) and one mid-round (after step 7)
     make, extra = CASES["outer-int8"]
     model, opt, state = _sharded(make, extra)
-    _train_from(model, opt, state, rank, 0, 6, save=(6, f"{tmp}/synced"))
+    _train(model, opt, state, rank, 0, 6, save=(6, f"{tmp}/synced"))
     out["synced"] = _full(model)
-    _train_from(model, opt, state, rank, 6, 7, save=(7, f"{tmp}/mid-round"))
+    _train(model, opt, state, rank, 6, 7, save=(7, f"{tmp}/mid-round"))
     out["refused"] = _refusals(tmp)
     out["moved"] = _moved(rank)
     out["nan"] = _nan(rank)
@@ -197,7 +191,8 @@ def _moved(rank):
     with torch.no_grad():
         for p, v in zip(model.parameters(), values):
             p.to_local().copy_(v)
-    _train(model, opt, state, rank, STEPS, model[0].in_features)
+    _train(model, opt, state, rank)
+    state.finish()
     return _full(model)
 
 
@@ -207,7 +202,7 @@ def _one_replica(rank, world, tmp):
     model, opt, state = _sharded(make, extra)
     loaded = commhooks.fsdp.load_checkpoint(f"{tmp}/synced", model, opt, state)
     weights = _full(model)
-    _train_from(model, opt, state, rank, 6, STEPS)
+    _train(model, opt, state, rank, 6)
     try:
         commhooks.fsdp.load_checkpoint(f"{tmp}/mid-round", model, opt, state)
         refused = None

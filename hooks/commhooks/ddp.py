@@ -33,7 +33,6 @@ from .comm import Comm
 from .config import ConfigError, load_config
 
 
-
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(tensor)
@@ -124,7 +123,7 @@ def register(ddp_model, optimizer, config, process_group=None, scaler=None, **st
     algorithm = registry.for_config(config)
     algorithm.check_options(state_options, "commhooks.ddp.register")
     state = algorithm.state_class(optimizer=optimizer, model=ddp_model, engine=facts.for_model(ddp_model),
-                        process_group=process_group, config=config, **state_options)
+                                  process_group=process_group, config=config, **state_options)
     if scaler is not None:
         state.use_scaler(scaler)
     ddp_model.register_comm_hook(state, comm_hook)  # `with ddp_model.join():` includes the state (its facts' attach)

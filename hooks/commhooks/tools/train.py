@@ -31,6 +31,7 @@ from .. import config as cfg
 from .. import ddp as ddp_adapter
 from .. import registry
 from ..checkpoint import load_checkpoint, save_checkpoint
+from ..facts import launcher_local_world_size
 from .anchors import ANCHORS, register_anchor
 from ..algorithms.base import AlgorithmState
 from ..launch import LaunchError, init_distributed, local_cuda_index, shutdown
@@ -291,7 +292,7 @@ def shard(model, conf, replica_group, new_optimizer):
 
     from .. import fsdp as fsdp_adapter
 
-    size = replica_group or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    size = replica_group or launcher_local_world_size() or dist.get_world_size()
     mesh = fsdp_adapter.replica_mesh(size, next(model.parameters()).device.type)
     over = mesh if conf is None else mesh["shard"]
     for block in getattr(model, "blocks", []):
