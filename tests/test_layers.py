@@ -23,7 +23,7 @@ LAYERS = [
     ("tools", ["commhooks.tools"]),
     ("framework integrations", ["commhooks.integrations"]),
     ("engine adapters", ["commhooks.ddp", "commhooks.fsdp", "commhooks.horovod", "commhooks.deepspeed"]),
-    ("checkpoints, Horovod's launcher", ["commhooks.checkpoint", "commhooks.launch_horovod"]),
+    ("checkpoints, Horovod's launcher", ["commhooks.checkpoint", "commhooks.checkpointer", "commhooks.launch_horovod"]),
     ("config loading by type", ["commhooks.config"]),
     ("the registry", ["commhooks.registry"]),
     ("algorithms", ["commhooks.algorithms"]),

@@ -5,7 +5,8 @@ down only; ``tests/test_layers.py`` checks it): ``settings`` (the :class:`HookCo
 :class:`ConfigError`) and ``shipped``; ``comm`` (collectives + byte meter) and ``launch``; ``facts`` (what an
 engine hands an algorithm); ``algorithms`` (``qsr``, ``ab``, the :class:`AlgorithmState` contract); the
 ``registry``; ``config`` (loading a config by its ``type``); the engine adapters ``ddp``, ``fsdp``, ``horovod``,
-``deepspeed`` (the last two import their engine only when used) and ``checkpoint``; ``integrations``;
+``deepspeed`` (the last two import their engine only when used) and ``checkpoint`` (with the
+``checkpointer`` that saves on a schedule); ``integrations``;
 ``tools`` (trainer, benchmark) needs the ``commhooks[tools]`` extra.
 
 This module, the package's entry, registers the built-in algorithms (qsr first, then ab: the registry lists
@@ -24,6 +25,7 @@ from .algorithms.consistency import DivergenceError, NonFiniteError
 from .algorithms.qsr import QSRConfig, QSRState, qsr_period
 from .algorithms.qsr_traffic import qsr_traffic as _qsr_traffic
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpointer import Checkpointer
 from .comm import CollectiveError
 from .config import ConfigError, HookConfig, load_config
 from .ddp import allreduce_hook, comm_hook
@@ -56,6 +58,7 @@ __all__ = [
     "DivergenceError",
     "NonFiniteError",
     "CheckpointError",
+    "Checkpointer",
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",

@@ -135,15 +135,15 @@ def _atomic_save(obj, path: Path) -> int:
     return _durable_write(path, lambda fd: torch.save(obj, fd))
 
 
-def _sizes_on_every_rank(state, model, rank: int, world: int, size: Optional[int]) -> Tuple[List[int], List[int]]:
+def _sizes_on_every_rank(reduce, device, rank: int, world: int, size: Optional[int]) -> Tuple[List[int], List[int]]:
     """Every rank's file size (``None``: this rank could not write), read on the host: returns only once every
     rank has written its file (or failed to).  Returns (sizes, the ranks that failed)."""
-    values = torch.zeros(2 * world, dtype=torch.float64, device=_device(state, model))
+    values = torch.zeros(2 * world, dtype=torch.float64, device=device)
     if size is None:
         values[world + rank] = 1.0
     else:
         values[rank] = float(size)
-    values = [int(v) for v in _allreduce_max(state, values).tolist()]
+    values = [int(v) for v in reduce(values).tolist()]
     return values[:world], [r for r in range(world) if values[world + r]]
 
 
@@ -209,6 +209,7 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
     file before it gives up on this checkpoint (raising on every rank); raise
     it for a shared filesystem that shows other nodes' files late (it is capped at half the
     hook's collective timeout, which the other ranks wait with meanwhile).
+    :class:`commhooks.Checkpointer` saves on a schedule, off the training thread.
     """
     if step is None:
         if state is None:
@@ -219,29 +220,52 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
     synced = just_synced(state, step)
     if synced_only and not synced:
         return None
+    contents = checkpoint_contents(model, optimizer, state, scheduler, step, synced, extra)
+    return write_and_commit(directory, step, contents, rank, world, lambda v: _allreduce_max(state, v),
+                            _device(state, model), keep, _commit_wait(state, commit_timeout_s), commit_timeout_s)
+
+
+def checkpoint_contents(model, optimizer, state, scheduler, step: int, synced: bool, extra=None) -> dict:
+    """What one rank's file holds (live tensors: copy them before training goes on, as the Checkpointer does)."""
+    rank, world = _rank_world(state)
+    return {
+        "version": __version__,
+        "step": step,
+        "rank": rank,
+        "world_size": world,
+        "synced": synced,
+        "model": getattr(model, "module", model).state_dict(),
+        "optimizer": [o.state_dict() for o in optimizer] if isinstance(optimizer, (list, tuple)) else
+        optimizer.state_dict(),
+        "hook": None if state is None else state.state_dict(),
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        **rng_states(model),
+        "extra": extra,
+    }
+
+
+def write_and_commit(directory, step: int, contents: dict, rank: int, world: int, reduce, device, keep: int,
+                     commit_wait_s: float, commit_timeout_s: float, on_event=None) -> Path:
+    """Write this rank's file durably, then commit the checkpoint: steps 2-4 of the module's docstring.
+
+    ``reduce(values)`` is an elementwise max over the ranks, in place, that returns on the host only once every
+    rank has contributed (the hook's Comm, or the Checkpointer's own gloo group on its writer thread).
+    ``on_event(name, step)``, if given, is told ``"writing"`` before this rank's file is written and
+    ``"written"`` once it is durable.
+    """
     root = Path(directory)
     folder = root / f"step-{step:08d}"
     folder.mkdir(parents=True, exist_ok=True)
-    module = getattr(model, "module", model)
     wrote = ""
     try:  # a rank that cannot write says so in the size exchange: every rank then raises, none waits
-        size = _atomic_save({
-            "version": __version__,
-            "step": step,
-            "rank": rank,
-            "world_size": world,
-            "synced": synced,
-            "model": module.state_dict(),
-            "optimizer": [o.state_dict() for o in optimizer] if isinstance(optimizer, (list, tuple)) else
-            optimizer.state_dict(),
-            "hook": None if state is None else state.state_dict(),
-            "scheduler": None if scheduler is None else scheduler.state_dict(),
-            **rng_states(model),
-            "extra": extra,
-        }, folder / f"rank{rank}.pt")
+        if on_event is not None:
+            on_event("writing", step)
+        size = _atomic_save(contents, folder / f"rank{rank}.pt")
+        if on_event is not None:
+            on_event("written", step)
     except Exception as exc:  # noqa: BLE001 - any failure to write: a full disk, an unpicklable `extra`
         size, wrote = None, f"{type(exc).__name__}: {exc}"
-    sizes, unwritten = _sizes_on_every_rank(state, model, rank, world, size)  # on the host: every rank has written
+    sizes, unwritten = _sizes_on_every_rank(reduce, device, rank, world, size)  # on the host: every rank has written
     if unwritten:
         raise CheckpointError(
             f"checkpoint {folder} was not written by rank(s) {unwritten} (the previous one stays the latest)"
@@ -249,9 +273,9 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
     missing = ""
     if rank == 0:
         try:
-            missing = _wait_until_visible(folder, sizes, _commit_wait(state, commit_timeout_s))
+            missing = _wait_until_visible(folder, sizes, commit_wait_s)
             if not missing:
-                manifest = {"step": step, "world_size": world, "synced": synced, "version": __version__,
+                manifest = {"step": step, "world_size": world, "synced": contents["synced"], "version": __version__,
                             "sizes": sizes}
                 _durable_write(folder / MANIFEST, lambda fd: fd.write(json.dumps(manifest).encode()))
                 _durable_write(root / "latest", lambda fd: fd.write(folder.name.encode()))
@@ -260,8 +284,8 @@ def save_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
                     shutil.rmtree(old, ignore_errors=True)
         except OSError as exc:
             missing = f"rank 0 could not write the manifest or `latest` ({type(exc).__name__}: {exc})"
-    failed = torch.tensor([1.0 if missing else 0.0], dtype=torch.float64, device=_device(state, model))
-    if _allreduce_max(state, failed).tolist()[0]:  # on the host: rank 0 has committed, or given up
+    failed = torch.tensor([1.0 if missing else 0.0], dtype=torch.float64, device=device)
+    if reduce(failed).tolist()[0]:  # on the host: rank 0 has committed, or given up
         raise CheckpointError(
             f"checkpoint {folder} was not committed (the previous one stays the latest): rank 0 did not see every "
             f"rank's file within commit_timeout_s={commit_timeout_s:g} s"

