@@ -124,3 +124,46 @@ def test_checkpointer_names_a_bad_argument(tmp_path, kwargs, named):
     net = mlp()
     with pytest.raises(ValueError, match=named):
         commhooks.Checkpointer(tmp_path, net, torch.optim.SGD(net.parameters(), lr=0.1), **kwargs)
+
+
+# --------------------------------------------------------------------------
+# a link down for longer than the timeout (the injector, on network namespaces: root, as CI runs)
+# --------------------------------------------------------------------------
+
+TIMEOUT_S = 5
+
+
+def test_link_down_is_an_error_naming_the_peers_on_every_rank_then_a_resumed_run(tmp_path):
+    if os.geteuid() != 0:
+        pytest.fail("network namespaces need root; CI runs as root")
+    config = json.loads((REPO / "configs" / "qsr_mnist1d.json").read_text())
+    config.update(timeout_s=TIMEOUT_S, h_base=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "commhooks.cli", "faults", "--ranks", "4", "--nodes", "2", "--reference",
+           "--at", "@500:link-down:1:12", "--out", str(out), "--", "--config", str(tmp_path / "config.json"),
+           "--steps", "1000", "--checkpoint-seconds", "2"]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, COMMHOOKS_CACHE=str(REPO / ".cache")),
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads((out / "faults.json").read_text())
+    run = report["faulted"]
+    [fault], [failure] = run["faults"], run["failures"]
+    assert fault["kind"] == "link-down" and fault["target"] == 1
+    # every rank fails on its own (none was stopped by the injector), each within the timeout plus a margin:
+    # the next sync (ms away: h_base 2 at this point) and the census (at most 4 s)
+    assert failure["exits"] == {str(r): 1 for r in range(4)}, failure
+    for r in range(4):
+        assert failure["exited_s"][str(r)] - fault["injected_s"] <= TIMEOUT_S + 4 + 3, failure
+        error = failure["errors"][str(r)]
+        assert "CollectiveError" in error and f"timeout {TIMEOUT_S} s" in error, error
+    # the census names the cut-off node's ranks on node 0, and says so on node 1
+    for r in (0, 1):
+        assert "rank(s) [2, 3] did not answer through the rendezvous store" in failure["errors"][str(r)], failure
+    for r in (2, 3):
+        assert "could not reach the rendezvous store" in failure["errors"][str(r)], failure
+    [restart] = run["restarts"]
+    assert restart["resumed_from"] is not None and 0 < restart["resumed_from"] <= failure["step"], run
+    assert run["summary"]["steps"] == 1000 and run["summary"]["resumed_from"] == restart["resumed_from"]
+    assert run["summary"]["params_sha256"] == report["reference"]["summary"]["params_sha256"]
+    assert "bit-identical to the fault-free run" in proc.stdout

@@ -403,3 +403,5 @@ def test_timeout_error_names_collective_and_group(tmp_path):
     assert message is not None, "rank 0 should have failed at the sync"
     assert "commhooks allreduce 'sync'" in message and "group world (ranks [0, 1])" in message, message
     assert "timeout 3 s" in message and waited < 10, (message, waited)
+    # the rendezvous store names the peer that did not answer (comm/census.py)
+    assert "rank(s) [1] did not answer through the rendezvous store" in message, message

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Comm, Group
+from .census import census
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "mean": dist.ReduceOp.AVG}
 
@@ -123,8 +124,19 @@ class TorchComm(Comm):
     def _wait(self, work, group: Group, device: torch.device) -> None:
         if self.timeout_s is None or not self._host_waits(group, device):
             work.wait()  # NCCL: the current stream waits, the host goes on; the watchdog bounds it
-        elif not work.wait(timeout=datetime.timedelta(seconds=self.timeout_s)):
-            raise TimeoutError(f"no answer within {self.timeout_s:g} s")
+            return
+        try:
+            done = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except Exception as exc:  # gloo: "Operation timed out!"; a peer's death is another error, raised as is
+            if "timed out" not in str(exc).lower():
+                raise
+            raise TimeoutError(f"{exc}{self._who_answered(group)}") from exc
+        if not done:
+            raise TimeoutError(f"no answer within {self.timeout_s:g} s{self._who_answered(group)}")
+
+    def _who_answered(self, group: Group) -> str:
+        """The peers that did not answer, named through the rendezvous store (:mod:`.census`, a few seconds)."""
+        return census([self._global_ranks[r] for r in group.ranks], wait_s=min(3.0, self.timeout_s))
 
     def _native_mean(self, flat: torch.Tensor, group: Group) -> bool:
         return self._backend(group, flat.device) == "nccl"  # ReduceOp.AVG (NCCL >= 2.10); gloo has none

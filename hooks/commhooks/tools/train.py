@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import logging
 import inspect
 import json
@@ -416,6 +417,7 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         "step_ms": round(1000 * wall / max(1, args.steps - first_step), 3),
         "resumed_from": first_step,
         "params_checksum": float(sum(_whole(p).detach().double().sum() for p in model.parameters())),
+        "params_sha256": params_sha256(model),  # equal only for bit-identical parameters
         "syncs": state.syncs if isinstance(state, AlgorithmState) else (None if args.hook in ANCHORS else args.steps),
         "wall_s": round(wall, 2),
         "config": cfg.to_dict(conf),
@@ -431,6 +433,14 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def params_sha256(model) -> str:
+    """A SHA-256 of every parameter's bytes, in order: two runs with the same one ended bit-identical."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(_whole(p).detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _whole(p: torch.Tensor) -> torch.Tensor:
