@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
-EXTRAS=tools,test,mpi,deepspeed,horovod,frameworks,docs
+EXTRAS=tools,test,mpi,deepspeed,horovod,frameworks,docs,torchft
 CACHE=${COMMHOOKS_CACHE:-$PWD/.cache}
 
 stamp="$VENV/.commhooks-installed"

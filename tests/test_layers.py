@@ -22,7 +22,7 @@ LAYERS = [
     ("the command line", ["commhooks.cli"]),
     ("tools", ["commhooks.tools"]),
     ("framework integrations", ["commhooks.integrations"]),
-    ("engine adapters", ["commhooks.ddp", "commhooks.fsdp", "commhooks.horovod", "commhooks.deepspeed"]),
+    ("engine adapters", ["commhooks.ddp", "commhooks.fsdp", "commhooks.horovod", "commhooks.deepspeed", "commhooks.torchft"]),
     ("checkpoints, Horovod's launcher", ["commhooks.checkpoint", "commhooks.checkpointer", "commhooks.launch_horovod"]),
     ("config loading by type", ["commhooks.config"]),
     ("the registry", ["commhooks.registry"]),

@@ -109,6 +109,8 @@ class AlgorithmHooks:
         """Parameters that joined the sync (after :meth:`refresh_parameters`)."""
     def load_algorithm_state_dict(self, state: dict) -> None:
         """Restore what :meth:`algorithm_state_dict` saved."""
+    def copied_from_peer(self) -> None:
+        """Loaded from another replica's state (live recovery): drop what was that replica's own (residuals)."""
 
     def sync(self) -> None:
         """Average the model over the world now (subclasses define what that means)."""

@@ -247,9 +247,9 @@ def start_mean(comm: Comm, x: torch.Tensor, codec, block: int, proof: torch.Tens
     work = comm.allgather(packed_bytes, group=group, tag=tag, async_op=True)
     numel, device = x.numel(), x.device
 
-    def decode_all(chunks):
+    def decode_all(chunks):  # a mean over the members that answered (len(chunks): size, unless one was lost)
         total, proofs = sum_in_rank_order(chunks, codec, numel, proof, device)
-        return total / size, proofs / size
+        return total / len(chunks), proofs / len(chunks)
 
     return work.then(decode_all)
 

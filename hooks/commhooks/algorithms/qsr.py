@@ -214,6 +214,8 @@ class QSRState(AlgorithmState):
         self.since_sync += 1
         self._run(step_events(self.step, self.since_sync, self.H, self.driver.in_flight, self.config))
 
+    def copied_from_peer(self) -> None: self.driver.forget_own()  # noqa: E704 - the residuals were the peer's own
+
     def sync(self) -> None:
         """Average the model over the world now and start a new round (syncs in flight land first).
 

@@ -166,6 +166,11 @@ class SyncDriver:
         if not same:
             host.tensors_changed()
 
+    def forget_own(self) -> None:
+        """After a copy of another replica's state: its error-feedback residuals were that replica's own."""
+        for f in self.fragments:
+            f.residual, f.owner_feedback = None, payload.OwnerFeedback()
+
     def close(self) -> None:
         """The round closes: parameters unfrozen or added to an optimizer since join a plain mean (an outer
         step, whose anchor covers the first step's parameters, refuses them)."""

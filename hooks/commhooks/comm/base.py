@@ -427,7 +427,8 @@ class Comm:
 
         def wait() -> List[torch.Tensor]:
             try:
-                pieces = started().chunk(group.size)
+                out = started()  # an allgather: as many pieces as members answered (a live quorum may shrink)
+                pieces = out.chunk(out.numel() // flat.numel() if kind == "allgather" and flat.numel() else group.size)
                 return [p.view(shape) for p in pieces] if shape is not None else list(pieces)
             except Exception as exc:
                 raise CollectiveError(f"{what()} failed: {exc}") from exc

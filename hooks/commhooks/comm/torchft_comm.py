@@ -1,0 +1,116 @@
+"""``Comm`` over a torchft ``Manager``: the world is the replica groups of the current quorum, and it changes.
+
+torchft (its Lighthouse, one ``Manager`` per replica group) decides which replica groups take part in each step
+(a *quorum*) and heals a group that joins from a live one.  This Comm is what a commhooks state sends its syncs
+through: one member per replica group, rank and size those of the quorum.
+
+* **Means.**  ``Manager.allreduce`` with SUM, divided here by the number of groups that took part.
+* **A group lost mid-collective.**  torchft does not raise: it records the error and leaves the tensor
+  undefined.  This Comm then restores the input, votes the step down (``should_commit()`` is False), asks for
+  a quorum of the survivors only (``start_quorum(shrink_only=True, allow_heal=False)``: no group joins in the
+  middle of a sync) and tries again, until ``timeout_s`` has passed since the first try (the Lighthouse sees a
+  group gone only after its heartbeat timeout).  Each retry is on the survivors: alone, a group's mean is its own.
+* **Allgather** (compressed payloads) is an allreduce SUM of a buffer with one slot per group (the others
+  zero): it carries size x the payload, and survives a shrink, since it is laid out again for the new quorum.
+  **All-to-all** (the two-step exchange) is refused: its pieces are cut for a fixed number of groups.
+* **Broadcast**: an allreduce SUM where only the source's slot is not zero.
+
+The quorum calls are the adapter's (:mod:`commhooks.torchft`): one after every step that communicated, where a
+restarted group is admitted and healed.  :attr:`used` says whether this step sent anything.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Tuple
+
+import torch
+
+from .base import CollectiveError, Comm, Group
+
+
+class ManagedComm(Comm):
+    """Collectives through a torchft ``Manager``; :meth:`requorum` re-reads its rank and size."""
+
+    def __init__(self, manager, timeout_s: Optional[float] = None):
+        from torch.distributed import ReduceOp
+
+        self.manager = manager
+        self._sum, self._max = ReduceOp.SUM, ReduceOp.MAX
+        self.used = False  # a collective went through the manager since the last commit
+        self.retries = 0  # collectives tried again on a smaller quorum (a group was lost)
+        super().__init__(0, 1, timeout_s)  # one group until the first quorum
+
+    # ------------------------------------------------------------------ the quorum
+
+    def requorum(self, allow_heal: bool = True, shrink_only: bool = False) -> None:
+        """A new quorum (torchft heals a group that is behind here, when ``allow_heal``); then this Comm's rank
+        and size are the quorum's."""
+        self.manager.start_quorum(allow_heal=allow_heal, shrink_only=shrink_only)
+        self._resize(self.manager.participating_rank() or 0, self.manager.num_participants())
+
+    def _resize(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        self.world = Group("world", tuple(range(size)), handle=None)
+        self._groups = {self.world.ranks: self.world}
+
+    def _world_handle(self) -> Any:
+        return None
+
+    def _make_group(self, ranks: Tuple[int, ...]) -> Any:
+        raise CollectiveError("commhooks over torchft: groups inside the quorum are not supported (the quorum "
+                              "changes as replica groups come and go); use one rank per replica group")
+
+    # ------------------------------------------------------------------ collectives
+
+    def _native_mean(self, flat: torch.Tensor, group: Group) -> bool:
+        return True  # divided here by the groups that took part, which may be fewer than when the call began
+
+    def _reduce(self, flat: torch.Tensor, op: str, layout=None) -> torch.Tensor:
+        """Reduce ``flat`` over the quorum, trying again on the survivors after a loss.  ``layout(rank, size)``,
+        if given, builds the buffer for a quorum (an allgather's slots) and is reduced instead of ``flat``."""
+        saved = flat.clone()
+        deadline = time.monotonic() + (self.timeout_s or 300.0)
+        while True:
+            buf = layout(self.rank, self.size) if layout is not None else flat
+            if self.size == 1:
+                return buf
+            work = self.manager.allreduce(buf, should_quantize=False,
+                                          reduce_op=self._max if op == "max" else self._sum)
+            work.wait()
+            self.used = True
+            error = self.manager.errored()
+            if error is None:
+                if op == "mean":
+                    buf.div_(self.size)
+                return buf
+            if time.monotonic() > deadline:
+                raise CollectiveError(f"torchft: no quorum completed the collective within {self.timeout_s:g} s "
+                                      f"(last error: {error.original_exception})")
+            flat.copy_(saved)
+            self.manager.should_commit()  # votes this step down; the next quorum drops the lost group
+            self.retries += 1
+            self.requorum(allow_heal=False, shrink_only=True)
+
+    def _allreduce_flat(self, flat: torch.Tensor, op: str, group: Group, async_op: bool,
+                        key: Optional[str] = None):
+        self._reduce(flat, op)  # blocking: torchft's own futures hide errors until the manager is asked
+        return (lambda: None), None
+
+    def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
+        if self.rank != src:
+            flat.zero_()
+        self._reduce(flat, "sum")
+
+    def _allgather_flat(self, flat: torch.Tensor, group: Group):
+        def slots(rank: int, size: int) -> torch.Tensor:
+            out = flat.new_zeros(flat.numel() * size)
+            out[rank * flat.numel():(rank + 1) * flat.numel()] = flat
+            return out
+
+        gathered = self._reduce(flat, "sum", layout=slots)
+        return lambda: gathered
+
+    def _alltoall_flat(self, flat: torch.Tensor, group: Group):
+        raise CollectiveError("commhooks over torchft: the two-step exchange (an all-to-all) cuts its pieces for a "
+                              "fixed number of groups; set payload_exchange to \"allgather\"")

@@ -1,0 +1,148 @@
+"""torchft adapter: replica groups that drop out and heal while the others go on syncing, no restart.
+
+Local methods suit fault tolerance: between syncs the replica groups do not talk, so when one dies the others
+need not stop.  torchft provides what that takes: a Lighthouse that forms a *quorum* of the live groups at each
+step, a ``Manager`` per group, and the transport that heals a restarted group from a live one.  commhooks keeps
+its algorithms, payloads and declarations; its syncs go through the Manager
+(:class:`~commhooks.comm.torchft_comm.ManagedComm`).  One process per replica group::
+
+    manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), load_state_dict=None, state_dict=None,
+                              min_replica_size=1, use_async_quorum=False, replica_id=f"group{g}", ...)
+    live = commhooks.torchft.register(model, optimizer, "configs/qsr_mnist1d.json", manager, scheduler)
+    while live.state.step < total_steps:          # a healed group goes on from its peers' step
+        batch = batch_for(live.state.step)
+        ...; optimizer.step(); scheduler.step()
+    live.close()
+
+What happens:
+
+* **Register** builds the algorithm's state over the Manager, registers its heal callbacks, and joins: the first
+  quorum.  A group that starts late, or again after a crash, is behind: torchft copies a live group's state
+  into it here (model, optimizer, scheduler, and the hook's: the outer step's anchor and momentum, the rule's
+  position, the step), then the state drops what was the other group's own (its error-feedback residual).
+* **A step that synced** ends with ``should_commit()``; the next quorum, where a waiting group is admitted and
+  healed, opens the next optimizer step (the loop has stepped its scheduler by then): every group then starts
+  the next round from the same state, the healed one included.
+* **A group lost** shows at the next sync: the collective fails, and the survivors retry it among themselves
+  (``start_quorum(shrink_only=True)``), alone if need be (a mean of one).  They never wait for it.
+
+Tuning: the Manager's ``quorum_timeout`` must exceed the longest round (a joining group waits in ``register``
+for the others' next sync); the Lighthouse's ``heartbeat_timeout_ms`` is how soon a lost group is dropped (the
+survivors retry until then, within the config's ``timeout_s``).  Not supported: algorithms that average
+gradients every step (AB; QSR's replica groups of several ranks), the two-step exchange (an all-to-all;
+``payload_exchange: "allgather"`` works), several ranks per replica group.
+"""
+
+from __future__ import annotations
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from . import facts, registry
+from .checkpointer import host_copy
+from .comm.base import CollectiveError
+from .comm.torchft_comm import ManagedComm
+from .config import ConfigError, load_config
+
+
+class LiveGroups:
+    """A state whose syncs go through torchft; heals, retries and commits around the optimizer's steps."""
+
+    def __init__(self, model, optimizer, config, manager, scheduler=None, **state_options):
+        config = load_config(config)
+        if config is None:
+            raise ConfigError("commhooks.torchft.register: config {'type': 'none'} has no syncs to make live")
+        if getattr(config, "payload", "fp32") != "fp32" and getattr(config, "payload_exchange", "allgather") != "allgather":
+            raise ConfigError(f"commhooks.torchft.register: payload {config.payload!r} with payload_exchange "
+                              f"{config.payload_exchange!r}: under torchft set payload_exchange to \"allgather\" (the "
+                              "two-step exchange cuts its pieces for a fixed number of groups)")
+        self.manager, self.model, self.scheduler = manager, model, scheduler
+        self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        self.comm = ManagedComm(manager, timeout_s=config.timeout_s)
+        algorithm = registry.for_config(config)
+        algorithm.check_options(state_options, "commhooks.torchft.register")
+        self.state = algorithm.state_class(optimizer=optimizer, model=model, engine=facts.for_model(model),
+                                           comm=self.comm, config=config, **state_options)
+        if self.state.reduces_gradients:
+            self.state.remove()
+            raise ConfigError(f"commhooks.torchft.register: this {self.state.display_name} config averages gradients "
+                              "every step, which needs every replica at every step; live recovery serves local "
+                              "methods (syncs every few steps)")
+        self.heals, self._syncs = 0, 0
+        manager.register_state_dict_fn("commhooks", self._load, self._save)
+        self._quorum_due = False
+        first = self.optimizers[0]
+        self._handles = [
+            # before the state's own pre-hook (a global one runs first): the next quorum, with the scheduler
+            # stepped, so a group healed there gets a whole step's state
+            register_optimizer_step_pre_hook(lambda opt, *args: self._before_step() if opt is first else None),
+            self.optimizers[-1].register_step_post_hook(lambda *args: self._after_step())]
+        self.comm.requorum()  # join; behind (a late start, a restart): healed from a live group here
+
+    # ------------------------------------------------------------------ healing
+
+    def _save(self) -> dict:
+        """What a joining group copies (a copy: torchft serves it while this group trains on)."""
+        return host_copy({
+            "model": getattr(self.model, "module", self.model).state_dict(),
+            "optimizer": [o.state_dict() for o in self.optimizers],
+            "hook": self.state.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+        })
+
+    def _load(self, saved: dict) -> None:
+        getattr(self.model, "module", self.model).load_state_dict(saved["model"])
+        for opt, s in zip(self.optimizers, saved["optimizer"]):
+            opt.load_state_dict(s)
+        self.state.load_state_dict(saved["hook"])
+        if self.scheduler is not None and saved["scheduler"] is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        self.state.copied_from_peer()
+        self.heals += 1
+        self._syncs = self.state.syncs
+
+    # ------------------------------------------------------------------ each step
+
+    def _before_step(self) -> None:
+        if self._quorum_due:
+            self._quorum_due = False
+            self.comm.requorum()
+
+    def _after_step(self) -> None:
+        # a step that sent something, or synced (alone, a group's sync sends nothing: it still takes a quorum,
+        # where a restarted group is admitted)
+        if self.comm.used or self.state.syncs != self._syncs:
+            self.commit()
+
+    def commit(self) -> None:
+        """End a step that communicated: torchft's vote; the next quorum (where joining groups heal) comes at the
+        start of the next optimizer step, once the loop has stepped its scheduler."""
+        self.comm.used, self._syncs = False, self.state.syncs
+        if not self.manager.should_commit():
+            raise CollectiveError(f"torchft voted step {self.state.step} down (fewer groups than the Manager's "
+                                  f"min_replica_size, or an error it could not recover: {self.manager.errored()})")
+        self._quorum_due = True
+
+    @property
+    def retries(self) -> int:
+        """Collectives tried again on a smaller quorum (each a group lost during a sync)."""
+        return self.comm.retries
+
+    @property
+    def groups(self) -> int:
+        """Replica groups in the current quorum."""
+        return self.comm.size
+
+    def close(self, finish: bool = True) -> None:
+        """End the run: with ``finish``, the open round is synced (every live group ends with the same model)."""
+        if finish:
+            self.state.finish()
+            if self.comm.used:
+                self.comm.used = False
+                self.manager.should_commit()
+        for handle in self._handles:
+            handle.remove()
+
+
+def register(model, optimizer, config, manager, scheduler=None, **state_options) -> LiveGroups:
+    """Build ``config``'s state over torchft's ``manager`` and join the quorum; see the module's docstring."""
+    return LiveGroups(model, optimizer, config, manager, scheduler, **state_options)
