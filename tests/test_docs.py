@@ -138,3 +138,14 @@ def test_deepspeed_example():
 @pytest.mark.parametrize("script", ["accelerate_train.py", "transformers_trainer.py", "lightning_train.py"])
 def test_framework_examples(script, tmp_path):
     _run(TORCHRUN + [f"examples/{script}"], env={"ACCELERATE_USE_CPU": "1", "OUT": str(tmp_path)})
+
+
+def test_restarts_example_resumes_from_its_own_checkpoint(tmp_path):
+    """examples/ddp_restarts.py (docs/pages/operations/fault-tolerance.md): a second start finds the first run's
+    last checkpoint (resume="auto") and ends with the same weights."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
+           "1", "examples/ddp_restarts.py"]
+    first = _run(cmd, env={"OUT": str(tmp_path)})
+    assert "resumed from" not in first
+    again = _run(cmd, env={"OUT": str(tmp_path)})
+    assert _checksums(again) == _checksums(first) and "resumed from step 300" in again

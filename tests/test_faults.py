@@ -167,3 +167,27 @@ def test_link_down_is_an_error_naming_the_peers_on_every_rank_then_a_resumed_run
     assert run["summary"]["steps"] == 1000 and run["summary"]["resumed_from"] == restart["resumed_from"]
     assert run["summary"]["params_sha256"] == report["reference"]["summary"]["params_sha256"]
     assert "bit-identical to the fault-free run" in proc.stdout
+
+
+# --------------------------------------------------------------------------
+# live groups over torchft, started by the injector (the trainer's --backend torchft)
+# --------------------------------------------------------------------------
+
+
+def test_injector_live_groups_a_killed_group_heals_and_the_groups_end_identical(tmp_path):
+    config = json.loads((REPO / "configs" / "qsr_int8_mnist1d.json").read_text())
+    config.update(timeout_s=30, payload_exchange="allgather", error_feedback=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "live"
+    cmd = [sys.executable, "-m", "commhooks.cli", "faults", "--torchft", "--ranks", "2", "--at", "@60:kill:1",
+           "--out", str(out), "--", "--model", "gpt", "--steps", "300", "--config", str(tmp_path / "config.json")]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, COMMHOOKS_CACHE=str(REPO / ".cache")),
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    run = json.loads((out / "faults.json").read_text())["faulted"]
+    assert [f["kind"] for f in run["faults"]] == ["kill"] and len(run["failures"]) == 1 == len(run["restarts"])
+    survivor, healed = run["groups"]
+    assert survivor["retries"] >= 1, run  # its next sync lost group 1 and was retried alone
+    assert healed["heals"] == 1 and healed["joined_at"] > 60, run  # the restart healed at group 0's step
+    assert run["groups_identical"], run["groups"]
+    assert "the live groups ended bit-identical" in proc.stdout

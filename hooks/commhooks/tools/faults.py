@@ -32,6 +32,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -256,11 +257,12 @@ class Injector:
         while None in self.poll(attempt) and time.monotonic() < end:
             time.sleep(0.05)
         stop_workers(attempt.procs)  # a stopped rank too: SIGKILL ends it
-        last = max((f for f in self.record["faults"] if f["attempt"] == attempt.index), key=lambda f: f["injected_s"],
-                   default=None)
+        times = [f["injected_s"] for f in self.record["faults"] if f["attempt"] == attempt.index]
         self.record["failures"].append({
             "attempt": attempt.index, "at_s": round(when, 2), "failed_ranks": failed, "step": self.step(),
-            "after_fault_s": None if last is None else round(when - last["injected_s"], 2),
+            # from the attempt's first and last fault (which one caused it, the errors say)
+            "after_fault_s": round(when - min(times), 2) if times else None,
+            "after_last_fault_s": round(when - max(times), 2) if times else None,
             "exits": {r: p.returncode for r, p in enumerate(attempt.procs)},
             "exited_s": {r: t for r, t in self.exited.items()},
             "errors": {r: _last_error(log) for r, log in enumerate(attempt.logs)}})
@@ -277,25 +279,123 @@ def _resumed_from(log: Path) -> Optional[int]:
     return int(found.group(1)) if found else None
 
 
+class LiveInjector(Injector):
+    """``--torchft``: one process per replica group over torchft, a Lighthouse in this process; a group that
+    fails is started again on its own (after ``--restart-delay``) and heals from a live one: no one else stops."""
+
+    LIVE_KINDS = ("kill", "stall")
+
+    def __init__(self, args, train_argv, out, faults):
+        super().__init__(args, train_argv, out, None, faults)
+        from torchft.coordination import LighthouseServer
+
+        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000,
+                                           heartbeat_timeout_ms=int(1000 * args.heartbeat_s))
+
+    @property
+    def per_node(self) -> int:
+        return 1  # a group is one process
+
+    def start_group(self, attempt: Attempt, g: int) -> None:
+        env = dict(os.environ, RANK=str(g), WORLD_SIZE=str(self.args.ranks), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "commhooks.tools.train", *self.train_argv, "--no-progress", "--backend", "torchft",
+               "--lighthouse", self.lighthouse.address(), "--progress-file", str(self.progress),
+               "--json-out", str(self.out / "summary.rank{rank}.json")]
+        log = self.out / f"group{g}.start{attempt.index}.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        if g < len(attempt.procs):
+            attempt.procs[g], attempt.logs[g] = proc, log
+        else:
+            attempt.procs.append(proc)
+            attempt.logs.append(log)
+
+    def run(self) -> dict:
+        pending, restarts = list(self.faults), []  # (due_s, group)
+        attempt = Attempt(0, 0.0)
+        self.exited = {}
+        for g in range(self.args.ranks):
+            self.start_group(attempt, g)
+        ending = None  # once a group has finished: the others get --grace-s to finish too (a restart is off)
+        try:
+            while True:
+                codes = [p.poll() for p in attempt.procs]
+                if all(c == 0 for c in codes) and not restarts:
+                    break
+                if ending is None and 0 in codes:
+                    ending = self.now() + self.args.grace_s
+                    self.record["restarts_cancelled"] = [g for _, g in restarts]
+                    restarts.clear()
+                if ending is not None and self.now() > ending:  # a group that had not rejoined by the end
+                    self.record["stopped_at_end"] = [g for g, c in enumerate(codes) if c is None]
+                    break
+                for g, code in enumerate(codes):
+                    if code not in (None, 0) and ending is None and all(r != g for _, r in restarts):
+                        self.record["failures"].append({"group": g, "at_s": round(self.now(), 2), "exit": code,
+                                                        "step": self.step(), "error": _last_error(attempt.logs[g])})
+                        if sum(1 for f in self.record["failures"]) > self.args.max_restarts:
+                            raise RuntimeError(f"gave up after {self.args.max_restarts} restarts")
+                        restarts.append((self.now() + self.args.restart_delay, g))
+                        print(f"[faults] {self.now():7.1f}s  group {g} exited ({code}); it starts again in "
+                              f"{self.args.restart_delay:g}s and heals from a live group", flush=True)
+                for due, g in [r for r in restarts if r[0] <= self.now()]:
+                    restarts.remove((due, g))
+                    attempt.index += 1
+                    self.start_group(attempt, g)
+                    self.record["restarts"].append({"group": g, "at_s": round(self.now(), 2),
+                                                    "log": attempt.logs[g].name})
+                for fault in [f for f in pending if self.due(f)][:1]:
+                    pending.remove(fault)
+                    if attempt.procs[fault.target].poll() is None:
+                        self.inject(fault, attempt)
+                self.undo_due()
+                time.sleep(0.05)
+        finally:
+            stop_workers(attempt.procs)
+            self.undo_due(everything=True)
+            self.lighthouse.shutdown()
+        self.record["not_injected"] = [asdict(f) for f in pending]
+        return self.record
+
+
 # ------------------------------------------------------------------ the command
 
 
 def summarize(record: dict, summary: Optional[dict], wall_s: float) -> dict:
-    """Steps redone per restart (rank 0's last step before the failure less the step resumed from) and totals."""
-    for failure, restart in zip(record["failures"], record["restarts"]):
-        if failure["step"] is not None and restart["resumed_from"] is not None:
-            restart["steps_redone"] = max(0, failure["step"] - restart["resumed_from"])
+    """The steps each attempt ran (rank 0's step when it failed, sampled each 0.05 s, less the step it resumed
+    from; an attempt killed before it resumed ran none), and the steps redone: all steps run less the run's."""
     record["wall_s"] = round(wall_s, 2)
     record["faults_injected"] = len(record["faults"])
-    record["steps_redone"] = sum(r.get("steps_redone", 0) for r in record["restarts"])
     record["summary"] = summary
+    if record["restarts"] and "attempt" not in record["restarts"][0]:  # live groups: nothing is redone by the others
+        return record
+    resumed = {0: 0, **{r["attempt"]: r["resumed_from"] for r in record["restarts"]}}
+    ended = {f["attempt"]: f["step"] for f in record["failures"]}
+    if summary is not None:
+        ended[max(resumed)] = summary["steps"]
+    ran = {a: max(0, ended[a] - resumed[a]) if resumed[a] is not None and ended.get(a) is not None else 0
+           for a in resumed}
+    for failure in record["failures"]:  # the work this failure threw away: back to the next attempt that resumed
+        later = [resumed[a] for a in sorted(resumed) if a > failure["attempt"] and resumed[a] is not None]
+        failure["steps_lost"] = (max(0, failure["step"] - later[0]) if later and failure["step"] is not None
+                                 else 0 if failure["step"] is None else None)
+    record["steps_run"] = sum(ran.values())
+    record["steps_redone"] = None if summary is None else record["steps_run"] - summary["steps"]
     return record
 
 
 def run_job(args, train_argv: List[str], out: Path, lab: Optional[NetnsLab], faults: List[Fault]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    injector = Injector(args, train_argv, out, lab, faults)
+    injector = LiveInjector(args, train_argv, out, faults) if args.torchft else Injector(args, train_argv, out, lab, faults)
     record = injector.run()
+    if args.torchft:  # every group's own summary: they must end identical
+        groups = [json.loads((out / f"summary.rank{g}.json").read_text()) for g in range(args.ranks)
+                  if (out / f"summary.rank{g}.json").exists() and g not in record.get("stopped_at_end", [])]
+        record["groups"] = [{k: s.get(k) for k in ("heals", "retries", "joined_at", "params_sha256", "test_acc",
+                                                    "val_loss", "syncs")} for s in groups]
+        record["groups_identical"] = len({s["params_sha256"] for s in groups}) == 1
+    if not args.keep_checkpoints:  # a run's record is its logs and summaries; the checkpoints can be large
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
     path = out / "summary.rank0.json"
     return summarize(record, json.loads(path.read_text()) if path.exists() else None, injector.now())
 
@@ -314,12 +414,19 @@ def parse_args(argv=None):
     p.add_argument("--stall-s", type=float, default=20.0, help="how long a stalled rank stays stopped")
     p.add_argument("--down-s", type=float, default=20.0, help="how long a link stays down or throttled")
     p.add_argument("--throttle-rate", default="1mbit", help="a throttled link's tc rate")
+    p.add_argument("--torchft", action="store_true",
+                   help="live recovery: one process per replica group over torchft (--ranks groups, loopback); a "
+                        "killed group starts again alone and heals from a live one (kinds: kill, stall)")
+    p.add_argument("--restart-delay", type=float, default=2.0, help="--torchft: seconds before a failed group restarts")
+    p.add_argument("--heartbeat-s", type=float, default=1.0,
+                   help="--torchft: the Lighthouse's heartbeat timeout (how soon a lost group is dropped)")
     p.add_argument("--max-restarts", type=int, default=20)
     p.add_argument("--grace-s", type=float, default=10.0,
                    help="after a rank fails, how long the others may take to fail on their own (their errors are "
                         "recorded) before every rank is stopped and restarted")
     p.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
                    help="network namespaces (root): needed for link faults and --bandwidth")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep each job's checkpoints (removed at its end)")
     p.add_argument("--reference", action="store_true", help="first run the job without faults, and compare")
     p.add_argument("--out", default="results/faults")
     p.add_argument("train", nargs=argparse.REMAINDER, help="-- then commhooks train's options")
@@ -335,7 +442,13 @@ def parse_args(argv=None):
         p.error("--mtbf must be > 0 seconds")
     if any(a.startswith(("--checkpoint-dir", "--json-out", "--resume", "--progress-file")) for a in args.train):
         p.error("the injector sets --checkpoint-dir, --json-out, --resume and --progress-file itself")
-    if not any(a.startswith(("--checkpoint-every", "--checkpoint-seconds")) for a in args.train):
+    if args.torchft:
+        bad = [k for k in kinds if k not in LiveInjector.LIVE_KINDS] if not args.at else []
+        if bad or args.netns == "on" or args.bandwidth != "unlimited":
+            p.error(f"--torchft runs on loopback with kinds {LiveInjector.LIVE_KINDS} (torchft's heal transport names "
+                    "hosts by hostname, which the network namespaces do not resolve)")
+        args.netns = "off"
+    elif not any(a.startswith(("--checkpoint-every", "--checkpoint-seconds")) for a in args.train):
         p.error("give commhooks train --checkpoint-every N or --checkpoint-seconds T after --: without checkpoints "
                 "every restart starts over")
     try:
@@ -377,9 +490,13 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "faults.json").write_text(json.dumps(report, indent=2) + "\n")
     f, ref = report["faulted"], report.get("reference")
-    print(f"[faults] {f['faults_injected']} fault(s), {len(f['restarts'])} restart(s), {f['steps_redone']} step(s) "
-          f"redone, wall {f['wall_s']:.1f}s" + (f" (fault-free {ref['wall_s']:.1f}s)" if ref else ""), flush=True)
-    if ref and f["summary"] and ref["summary"]:
+    print(f"[faults] {f['faults_injected']} fault(s), {len(f['restarts'])} restart(s), {f.get('steps_redone', 0)} "
+          f"step(s) redone, wall {f['wall_s']:.1f}s" + (f" (fault-free {ref['wall_s']:.1f}s)" if ref else ""), flush=True)
+    if "groups_identical" in f:
+        print(f"[faults] the live groups ended {'bit-identical' if f['groups_identical'] else 'DIFFERENT'}; heals "
+              f"{[g['heals'] for g in f['groups']]}, collectives retried {[g['retries'] for g in f['groups']]}",
+              flush=True)
+    elif ref and f["summary"] and ref["summary"]:
         same = f["summary"]["params_sha256"] == ref["summary"]["params_sha256"]
         print(f"[faults] final parameters {'bit-identical to' if same else 'DIFFER from'} the fault-free run", flush=True)
     return 0

@@ -34,6 +34,7 @@ from .. import registry
 from ..checkpointer import Checkpointer
 from ..facts import launcher_local_world_size
 from .anchors import ANCHORS, register_anchor
+from . import live
 from .fault_plan import PlannedFaults, ProgressFile
 from ..algorithms.base import AlgorithmState
 from ..launch import LaunchError, init_distributed, local_cuda_index, shutdown
@@ -50,9 +51,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "fp16, powersgd, local-sgd, compute-only = PyTorch's own, for comparison (DDP only); "
                         "default: the type of --config, else none")
     p.add_argument("--config", help="hook settings: JSON file (configs/...) with the fields of the hook's config")
-    p.add_argument("--backend", choices=("ddp", "fsdp", "deepspeed", "horovod"), default="ddp",
+    p.add_argument("--backend", choices=("ddp", "fsdp", "deepspeed", "horovod", "torchft"), default="ddp",
                    help="engine the hook plugs into; fsdp: FSDP2 shards the model inside each replica group of "
-                        "--replica-group ranks (--hook none: FSDP2's own HSDP, an all-reduce across them every step)")
+                        "--replica-group ranks (--hook none: FSDP2's own HSDP, an all-reduce across them every step); "
+                        "torchft: this process is replica group RANK of WORLD_SIZE, its syncs through torchft "
+                        "(commhooks faults --torchft starts them)")
+    p.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"),
+                   help="--backend torchft: the Lighthouse's address")
+    p.add_argument("--quorum-timeout", type=float, default=300.0,
+                   help="--backend torchft: seconds a group waits for a quorum (longer than a round)")
     p.add_argument("--replica-group", type=int, default=None,
                    help="--backend fsdp: ranks per replica group, over which FSDP2 shards (default: ranks per node)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -118,6 +125,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--checkpoint-every and --checkpoint-seconds must be >= 0 (0 = off)")
     if (args.checkpoint_every or args.checkpoint_seconds) and not args.checkpoint_dir:
         p.error("--checkpoint-every / --checkpoint-seconds need --checkpoint-dir")
+    if args.backend == "torchft" and (args.checkpoint_dir or not args.lighthouse):
+        p.error("--backend torchft: give --lighthouse (the trainer's torchft groups heal from each other and write "
+                "no checkpoints: no --checkpoint-dir)")
     if args.backend == "fsdp" and args.checkpoint_dir:
         p.error("--checkpoint-dir with --backend fsdp: the trainer's checkpoints are per-rank files; FSDP2 runs "
                 "save with commhooks.fsdp.save_checkpoint (DCP) in your script")
@@ -241,6 +251,11 @@ def build_trainer(args, model, conf, workload):
     elif args.backend == "fsdp":
         net, optimizer, state = shard(model, conf, args.replica_group, new_optimizer)
         forward, step = net, lambda: optimizer.step()
+    elif args.backend == "torchft":  # the scheduler first: a group that joins late heals it too
+        optimizer = new_optimizer()
+        scheduler = cosine_with_warmup(optimizer, args.lr_warmup, args.steps)
+        args.live = live.join(args, model, optimizer, scheduler, conf)
+        state, forward, step = args.live.state, model, lambda: optimizer.step()
     elif args.backend == "horovod":
         import horovod.torch as hvd
 
@@ -265,7 +280,8 @@ def build_trainer(args, model, conf, workload):
         micro, accumulation = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
     dtype = next(model.parameters()).dtype  # DeepSpeed bf16/fp16: the engine converted the model
     device = next(model.parameters()).device  # DeepSpeed moved it to its own device
-    scheduler = cosine_with_warmup(optimizer, args.lr_warmup, args.steps)
+    if args.backend != "torchft":
+        scheduler = cosine_with_warmup(optimizer, args.lr_warmup, args.steps)
     if isinstance(state, AlgorithmState):
         scheduler = state.wrap_scheduler(scheduler)
 
@@ -317,6 +333,9 @@ def shard(model, conf, replica_group, new_optimizer):
 
 def start(args):
     """Bring up the backend's ranks: (rank, world, mean_over_ranks, finish)."""
+    if args.backend == "torchft":  # no world: each group is its own process, its peers come and go
+        rank, world = live.placement()
+        return rank, world, (lambda t: t), (lambda: None)
     if args.backend == "horovod":
         from .. import horovod as hvd_adapter
 
@@ -352,7 +371,7 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
     if args.device == "cuda" and args.backend != "deepspeed":  # DeepSpeed places the model itself
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     train_step, state, micro, accumulation, optimizer, scheduler = build_trainer(args, model, conf, workload)
-    first_step, checkpointer = 0, None
+    first_step, checkpointer = (state.step if args.backend == "torchft" else 0), None  # torchft: healed to a peer's
     faults = PlannedFaults(args.fault_plan, rank)
     if args.checkpoint_dir:
         checkpointer = Checkpointer(args.checkpoint_dir, model, optimizer, state, scheduler,
@@ -390,6 +409,8 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         if checkpointer is not None:
             checkpointer.close()  # the last save is committed before the run ends
         progress_file.update(args.steps, force=True)
+    if args.backend == "torchft":
+        live.leave(args.live)
     wall = time.perf_counter() - start
     wire_after = iface_bytes(args.wire_iface)
     if progress is not None:
@@ -424,6 +445,8 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
     }
     if isinstance(state, AlgorithmState):
         summary["report"] = state.report()
+    if args.backend == "torchft":  # what the live groups did: heals into this process, collectives retried
+        summary.update(heals=args.live.heals, retries=args.live.retries, joined_at=first_step)
     if rank == 0:
         if isinstance(state, AlgorithmState):
             print(state.format_report(), flush=True)
