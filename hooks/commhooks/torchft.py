@@ -20,11 +20,14 @@ What happens:
   quorum.  A group that starts late, or again after a crash, is behind: torchft copies a live group's state
   into it here (model, optimizer, scheduler, and the hook's: the outer step's anchor and momentum, the rule's
   position, the step), then the state drops what was the other group's own (its error-feedback residual).
-* **A step that synced** ends with ``should_commit()``; the next quorum, where a waiting group is admitted and
-  healed, opens the next optimizer step (the loop has stepped its scheduler by then): every group then starts
-  the next round from the same state, the healed one included.
+* **A step that communicated** ends with ``should_commit()``; the next quorum, where a waiting group is admitted
+  and healed, opens the next optimizer step (the loop has stepped its scheduler by then): with blocking syncs, a
+  round's end, and every group starts the next round from the same state, the healed one included.
 * **A group lost** shows at the next sync: the collective fails, and the survivors retry it among themselves
-  (``start_quorum(shrink_only=True)``), alone if need be (a mean of one).  They never wait for it.
+  (``start_quorum(shrink_only=True)``), alone if need be (a mean of one): they wait for the Lighthouse to drop
+  the lost group (its heartbeat timeout), never for it to come back.
+* **Checks.** A joining group's config, commhooks version and parameter shapes must equal the live group's it
+  heals from (torchft's ``init_sync`` heals fresh groups at the first step too): otherwise a ``ConfigError``.
 
 Tuning: the Manager's ``quorum_timeout`` must exceed the longest round (a joining group waits in ``register``
 for the others' next sync); the Lighthouse's ``heartbeat_timeout_ms`` is how soon a lost group is dropped (the
@@ -41,7 +44,9 @@ from . import facts, registry
 from .checkpointer import host_copy
 from .comm.base import CollectiveError
 from .comm.torchft_comm import ManagedComm
+from ._version import __version__
 from .config import ConfigError, load_config
+from .settings import to_dict
 
 
 class LiveGroups:
@@ -77,12 +82,22 @@ class LiveGroups:
             register_optimizer_step_pre_hook(lambda opt, *args: self._before_step() if opt is first else None),
             self.optimizers[-1].register_step_post_hook(lambda *args: self._after_step())]
         self.comm.requorum()  # join; behind (a late start, a restart): healed from a live group here
+        error = manager.errored()  # torchft records a failed heal instead of raising: this group is not the others'
+        if error is not None:
+            raise CollectiveError(f"commhooks.torchft.register: joining the quorum failed ({error.original_exception})"
+                                  "; this group holds its own state, not the live groups': start it again")
 
     # ------------------------------------------------------------------ healing
+
+    def _fingerprint(self) -> dict:
+        """What every group must share (built alone, the state compared nothing with the others)."""
+        return {"config": to_dict(self.state.config), "version": __version__,
+                "params": [[n, list(p.shape)] for n, p in self.state.named_params]}
 
     def _save(self) -> dict:
         """What a joining group copies (a copy: torchft serves it while this group trains on)."""
         return host_copy({
+            "fingerprint": self._fingerprint(),
             "model": getattr(self.model, "module", self.model).state_dict(),
             "optimizer": [o.state_dict() for o in self.optimizers],
             "hook": self.state.state_dict(),
@@ -90,6 +105,16 @@ class LiveGroups:
         })
 
     def _load(self, saved: dict) -> None:
+        mine, theirs = self._fingerprint(), saved["fingerprint"]
+        if theirs != mine:  # torchft's init_sync heals fresh groups too: a first start is checked as well
+            keys = sorted(k for k in mine["config"] if theirs["config"].get(k) != mine["config"][k])
+            differ = [f"config key {k}: this group {mine['config'][k]!r}, the live group {theirs['config'].get(k)!r}"
+                      for k in keys]
+            differ += [f"{what}: this group {mine[what]}, the live group {theirs[what]}" for what in ("version",)
+                       if mine[what] != theirs[what]]
+            differ += ["the parameters' names or shapes"] if mine["params"] != theirs["params"] else []
+            raise ConfigError("commhooks.torchft: this replica group differs from the live group it would heal "
+                              "from: " + "; ".join(differ))
         getattr(self.model, "module", self.model).load_state_dict(saved["model"])
         for opt, s in zip(self.optimizers, saved["optimizer"]):
             opt.load_state_dict(s)
@@ -118,8 +143,10 @@ class LiveGroups:
         start of the next optimizer step, once the loop has stepped its scheduler."""
         self.comm.used, self._syncs = False, self.state.syncs
         if not self.manager.should_commit():
-            raise CollectiveError(f"torchft voted step {self.state.step} down (fewer groups than the Manager's "
-                                  f"min_replica_size, or an error it could not recover: {self.manager.errored()})")
+            error = self.manager.errored()
+            raise CollectiveError(f"torchft voted step {self.state.step} down: " + (
+                f"an error it could not recover ({error.original_exception})" if error is not None else
+                f"fewer groups ({self.manager.num_participants()}) than the Manager's min_replica_size"))
         self._quorum_due = True
 
     @property
@@ -136,9 +163,9 @@ class LiveGroups:
         """End the run: with ``finish``, the open round is synced (every live group ends with the same model)."""
         if finish:
             self.state.finish()
-            if self.comm.used:
-                self.comm.used = False
-                self.manager.should_commit()
+            if self.comm.used or self.state.syncs != self._syncs:
+                self.commit()
+                self._quorum_due = False
         for handle in self._handles:
             handle.remove()
 

@@ -184,6 +184,8 @@ class Comm:
     ``torch.distributed``.  ``group=None`` means the world.
     """
 
+    fixed_world = True  # the same ranks for the whole run (False: a live quorum, which per-rank files cannot follow)
+
     def __init__(self, rank: int, size: int, timeout_s: Optional[float] = None,
                  device: Optional[torch.device] = None):
         self.rank = rank

@@ -23,16 +23,13 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-_ROUND = [0]  # timeouts this process has taken part in: each gets its own keys (the first on every rank: 0)
-
-
-def census(global_ranks: Sequence[int], wait_s: float = 3.0) -> str:
+def census(global_ranks: Sequence[int], key: str, wait_s: float = 3.0) -> str:
     """A clause for the timeout's error message, naming the peers that did not answer (or "" if unknown).
 
     Runs on a helper thread joined after ``wait_s`` plus a second: a store call on a link that is down can wait
     for the TCP connection rather than for the store's timeout, and this must never hang."""
     found = []
-    helper = threading.Thread(target=lambda: found.append(_count(global_ranks, wait_s)), daemon=True,
+    helper = threading.Thread(target=lambda: found.append(_count(global_ranks, key, wait_s)), daemon=True,
                               name="commhooks-census")
     helper.start()
     helper.join(wait_s + 1.0)
@@ -42,29 +39,32 @@ def census(global_ranks: Sequence[int], wait_s: float = 3.0) -> str:
             "its own link, or that host, is likely down")
 
 
-def _count(global_ranks: Sequence[int], wait_s: float) -> str:
+def _count(global_ranks: Sequence[int], key: str, wait_s: float) -> str:
     try:
         store = dist.distributed_c10d._get_default_store()  # torch's rendezvous store (a private accessor)
         me = dist.get_rank()
     except Exception:  # noqa: BLE001 - no store, no census
         return ""
-    n, _ROUND[0] = _ROUND[0], _ROUND[0] + 1
-    key = "commhooks/census{}/{}".format
+    slot = f"commhooks/census/{key}/{{}}".format  # ``key``: the group and its timeouts so far, alike on its ranks
+    previous = store.timeout
     try:
         store.set_timeout(datetime.timedelta(seconds=wait_s))
-        store.set(key(n, me), "timed out")
-    except Exception:  # noqa: BLE001 - the store is out of reach
-        return ("; this rank cannot reach the rendezvous store (rank 0's host) either: its own link, or that "
-                "host, is likely down")
-    missing = [r for r in global_ranks if r != me]
-    deadline = time.monotonic() + wait_s
-    try:
-        while missing and time.monotonic() < deadline:
-            missing = [r for r in missing if not store.check([key(n, r)])]
-            time.sleep(0.1)
-    except Exception:  # noqa: BLE001
-        return "; the rendezvous store stopped answering while the peers were counted"
+        try:
+            store.set(slot(me), "timed out")
+        except Exception:  # noqa: BLE001 - the store is out of reach
+            return ("; this rank cannot reach the rendezvous store (rank 0's host) either: its own link, or that "
+                    "host, is likely down")
+        missing = [r for r in global_ranks if r != me]
+        deadline = time.monotonic() + wait_s
+        try:
+            while missing and time.monotonic() < deadline:
+                missing = [r for r in missing if not store.check([slot(r)])]
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001
+            return "; the rendezvous store stopped answering while the peers were counted"
+    finally:
+        store.set_timeout(previous)  # the store serves the process's later rendezvous too
     if missing:
-        return (f"; rank(s) {missing} did not answer through the rendezvous store within {wait_s:g} s either "
-                "(stopped, dead or cut off), the group's other ranks did")
+        return (f"; rank(s) {missing} did not answer through the rendezvous store within {wait_s:g} s of this "
+                "rank's timeout either (stopped, dead or cut off), the group's other ranks did")
     return "; every rank of the group answered through the rendezvous store: the collective's own connections failed"

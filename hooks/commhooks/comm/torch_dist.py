@@ -93,6 +93,7 @@ class TorchComm(Comm):
         self.process_group = process_group or dist.group.WORLD
         self._global_ranks = dist.get_process_group_ranks(self.process_group)
         self._backends: Dict[Tuple[int, str], Optional[str]] = {}
+        self._timeouts: Dict[str, int] = {}  # per group: timeouts so far (the census's keys)
         super().__init__(dist.get_rank(self.process_group), dist.get_world_size(self.process_group), timeout_s,
                          device)
 
@@ -136,7 +137,9 @@ class TorchComm(Comm):
 
     def _who_answered(self, group: Group) -> str:
         """The peers that did not answer, named through the rendezvous store (:mod:`.census`, a few seconds)."""
-        return census([self._global_ranks[r] for r in group.ranks], wait_s=min(3.0, self.timeout_s))
+        self._timeouts[group.name] = seen = self._timeouts.get(group.name, 0) + 1  # the same count on its ranks
+        return census([self._global_ranks[r] for r in group.ranks], f"{group.name}/{seen}",
+                      wait_s=min(3.0, self.timeout_s))
 
     def _native_mean(self, flat: torch.Tensor, group: Group) -> bool:
         return self._backend(group, flat.device) == "nccl"  # ReduceOp.AVG (NCCL >= 2.10); gloo has none

@@ -10,6 +10,9 @@ through: one member per replica group, rank and size those of the quorum.
   a quorum of the survivors only (``start_quorum(shrink_only=True, allow_heal=False)``: no group joins in the
   middle of a sync) and tries again, until ``timeout_s`` has passed since the first try (the Lighthouse sees a
   group gone only after its heartbeat timeout).  Each retry is on the survivors: alone, a group's mean is its own.
+  This assumes every survivor saw the loss; one that completed the collective while another did not (possible
+  from 3 groups, if the lost one died in the last exchange) goes on, and the two then fail the next step proof
+  with a DivergenceError on both: an error, never a silent difference.
 * **Allgather** (compressed payloads) is an allreduce SUM of a buffer with one slot per group (the others
   zero): it carries size x the payload, and survives a shrink, since it is laid out again for the new quorum.
   **All-to-all** (the two-step exchange) is refused: its pieces are cut for a fixed number of groups.
@@ -22,7 +25,7 @@ restarted group is admitted and healed.  :attr:`used` says whether this step sen
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple  # noqa: F401
 
 import torch
 
@@ -31,6 +34,8 @@ from .base import CollectiveError, Comm, Group
 
 class ManagedComm(Comm):
     """Collectives through a torchft ``Manager``; :meth:`requorum` re-reads its rank and size."""
+
+    fixed_world = False
 
     def __init__(self, manager, timeout_s: Optional[float] = None):
         from torch.distributed import ReduceOp
@@ -47,15 +52,16 @@ class ManagedComm(Comm):
         """A new quorum (torchft heals a group that is behind here, when ``allow_heal``); then this Comm's rank
         and size are the quorum's."""
         self.manager.start_quorum(allow_heal=allow_heal, shrink_only=shrink_only)
-        self._resize(self.manager.participating_rank() or 0, self.manager.num_participants())
+        rank = self.manager.participating_rank()
+        if rank is None:  # behind the others where no heal was allowed: its syncs would be zeros
+            raise CollectiveError("torchft: this replica group is not part of the new quorum (behind the others "
+                                  "during a sync, where no group can be healed); restart it: it heals when it joins")
+        self._resize(rank, self.manager.num_participants())
 
     def _resize(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
         self.world = Group("world", tuple(range(size)), handle=None)
         self._groups = {self.world.ranks: self.world}
-
-    def _world_handle(self) -> Any:
-        return None
 
     def _make_group(self, ranks: Tuple[int, ...]) -> Any:
         raise CollectiveError("commhooks over torchft: groups inside the quorum are not supported (the quorum "
@@ -70,7 +76,8 @@ class ManagedComm(Comm):
         """Reduce ``flat`` over the quorum, trying again on the survivors after a loss.  ``layout(rank, size)``,
         if given, builds the buffer for a quorum (an allgather's slots) and is reduced instead of ``flat``."""
         saved = flat.clone()
-        deadline = time.monotonic() + (self.timeout_s or 300.0)
+        limit = self.timeout_s or 300.0
+        deadline = time.monotonic() + limit
         while True:
             buf = layout(self.rank, self.size) if layout is not None else flat
             if self.size == 1:
@@ -84,10 +91,10 @@ class ManagedComm(Comm):
                 if op == "mean":
                     buf.div_(self.size)
                 return buf
+            flat.copy_(saved)  # what torchft left there is undefined
             if time.monotonic() > deadline:
-                raise CollectiveError(f"torchft: no quorum completed the collective within {self.timeout_s:g} s "
+                raise CollectiveError(f"torchft: no quorum completed the collective within {limit:g} s "
                                       f"(last error: {error.original_exception})")
-            flat.copy_(saved)
             self.manager.should_commit()  # votes this step down; the next quorum drops the lost group
             self.retries += 1
             self.requorum(allow_heal=False, shrink_only=True)

@@ -1,7 +1,8 @@
 """``commhooks faults``: run a training job, inject faults on a seeded schedule, restart it, and count the cost.
 
-    commhooks faults --ranks 4 --nodes 2 --steps 600 --mtbf 20 --kinds kill,stall,link-down --seed 0 \\
-        --out results/faults-run -- --config configs/qsr_mnist1d.json --checkpoint-seconds 5
+    commhooks faults --ranks 4 --nodes 2 --mtbf 20 --kinds kill,stall,link-down --seed 0 --reference \\
+        --out results/faults-run -- --config configs/qsr_mnist1d.json --steps 3000 --checkpoint-seconds 5
+    commhooks faults --table results/faults-run/faults.json     # a markdown table of recorded runs
 
 Everything after ``--`` goes to ``commhooks train`` on every rank.  The injector plays torchelastic's part (a
 rank that fails ends the attempt; every rank restarts from the newest complete checkpoint, ``--resume auto``)
@@ -34,6 +35,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -385,6 +387,7 @@ def summarize(record: dict, summary: Optional[dict], wall_s: float) -> dict:
 
 
 def run_job(args, train_argv: List[str], out: Path, lab: Optional[NetnsLab], faults: List[Fault]) -> dict:
+    shutil.rmtree(out, ignore_errors=True)  # an earlier job's checkpoints would be resumed from
     out.mkdir(parents=True, exist_ok=True)
     injector = LiveInjector(args, train_argv, out, faults) if args.torchft else Injector(args, train_argv, out, lab, faults)
     record = injector.run()
@@ -393,7 +396,7 @@ def run_job(args, train_argv: List[str], out: Path, lab: Optional[NetnsLab], fau
                   if (out / f"summary.rank{g}.json").exists() and g not in record.get("stopped_at_end", [])]
         record["groups"] = [{k: s.get(k) for k in ("heals", "retries", "joined_at", "params_sha256", "test_acc",
                                                     "val_loss", "syncs")} for s in groups]
-        record["groups_identical"] = len({s["params_sha256"] for s in groups}) == 1
+        record["groups_identical"] = len(groups) == args.ranks and len({s["params_sha256"] for s in groups}) == 1
     if not args.keep_checkpoints:  # a run's record is its logs and summaries; the checkpoints can be large
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     path = out / "summary.rank0.json"
@@ -443,7 +446,8 @@ def parse_args(argv=None):
     if any(a.startswith(("--checkpoint-dir", "--json-out", "--resume", "--progress-file")) for a in args.train):
         p.error("the injector sets --checkpoint-dir, --json-out, --resume and --progress-file itself")
     if args.torchft:
-        bad = [k for k in kinds if k not in LiveInjector.LIVE_KINDS] if not args.at else []
+        asked = [item.split(":")[1] for item in args.at.split(",") if item.count(":") >= 2] if args.at else kinds
+        bad = [k for k in asked if k not in LiveInjector.LIVE_KINDS]
         if bad or args.netns == "on" or args.bandwidth != "unlimited":
             p.error(f"--torchft runs on loopback with kinds {LiveInjector.LIVE_KINDS} (torchft's heal transport names "
                     "hosts by hostname, which the network namespaces do not resolve)")
@@ -457,10 +461,52 @@ def parse_args(argv=None):
             args.down_s)
     except ValueError as exc:
         p.error(str(exc))
+    for f in args.faults:
+        what = "nodes" if f.kind in ("kill-node",) + LINK_KINDS else "ranks"
+        count = args.nodes if what == "nodes" else args.ranks
+        if not 0 <= f.target < count:
+            p.error(f"--at: {f.kind} {f.target}: its target is one of the {count} {what} (0 to {count - 1})")
     return args
 
 
+def table(paths: List[str]) -> str:
+    """A markdown table of recorded runs (``faults.json`` files): one row per run, then the mean of each numeric
+    column."""
+    rows, live = [], False
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        f, ref = report["faulted"], report.get("reference") or {}
+        live = "groups" in f  # (one kind of run per table)
+        quality = "val_loss" if (f.get("summary") or {}).get("val_loss") is not None else "test_acc"
+        kinds = ", ".join(sorted({x["kind"] for x in f["faults"]}))
+        if live:
+            got = statistics.mean(g[quality] for g in f["groups"])
+            want = statistics.mean(g[quality] for g in ref.get("groups", [])) if ref else None
+            same = "yes" if f["groups_identical"] else "NO"
+            redone = "-"
+        else:
+            got, want = f["summary"][quality], ref.get("summary", {}).get(quality)
+            same = "yes" if ref and f["summary"]["params_sha256"] == ref["summary"]["params_sha256"] else "NO"
+            redone = f["steps_redone"]
+        rows.append([Path(path).parent.name, f"{f['faults_injected']} ({kinds})", len(f["failures"]),
+                     len(f["restarts"]), redone, f["wall_s"], ref.get("wall_s"), got, want, same])
+    head = ["run", "faults injected", "failures", "restarts", "steps redone", "wall s", "fault-free wall s",
+            "final " + ("mean " if live else "") + quality, "fault-free", "groups identical" if live else
+            "bit-identical to fault-free"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    if len(rows) > 1:  # the mean over the runs (seeds) of every numeric column
+        mean = [f"{statistics.mean(r[i] for r in rows):.4g}" if all(isinstance(r[i], (int, float)) for r in rows)
+                else "" for i in range(1, len(head))]
+        lines.append("| **mean** | " + " | ".join(mean) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--table"]:  # commhooks faults --table results/<run>/seed*/faults.json
+        print(table(argv[1:]))
+        return 0
     args = parse_args(argv)
     out = Path(args.out)
     links = any(f.kind in LINK_KINDS for f in args.faults) or args.bandwidth != "unlimited"
@@ -499,7 +545,8 @@ def main(argv=None) -> int:
     elif ref and f["summary"] and ref["summary"]:
         same = f["summary"]["params_sha256"] == ref["summary"]["params_sha256"]
         print(f"[faults] final parameters {'bit-identical to' if same else 'DIFFER from'} the fault-free run", flush=True)
-    return 0
+        return 0 if same else 1
+    return 0 if f.get("groups_identical", True) else 1
 
 
 if __name__ == "__main__":

@@ -125,9 +125,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--checkpoint-every and --checkpoint-seconds must be >= 0 (0 = off)")
     if (args.checkpoint_every or args.checkpoint_seconds) and not args.checkpoint_dir:
         p.error("--checkpoint-every / --checkpoint-seconds need --checkpoint-dir")
-    if args.backend == "torchft" and (args.checkpoint_dir or not args.lighthouse):
-        p.error("--backend torchft: give --lighthouse (the trainer's torchft groups heal from each other and write "
-                "no checkpoints: no --checkpoint-dir)")
+    if args.backend == "torchft" and not args.lighthouse:
+        p.error("--backend torchft needs --lighthouse ADDRESS (or TORCHFT_LIGHTHOUSE): the torchft Lighthouse's")
+    if args.backend == "torchft" and args.checkpoint_dir:
+        p.error("--checkpoint-dir with --backend torchft: the trainer's live groups heal from each other instead")
     if args.backend == "fsdp" and args.checkpoint_dir:
         p.error("--checkpoint-dir with --backend fsdp: the trainer's checkpoints are per-rank files; FSDP2 runs "
                 "save with commhooks.fsdp.save_checkpoint (DCP) in your script")
