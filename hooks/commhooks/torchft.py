@@ -17,7 +17,9 @@ its algorithms, payloads and declarations; its syncs go through the Manager
 What happens:
 
 * **Register** builds the algorithm's state over the Manager, registers its heal callbacks, and joins: the first
-  quorum.  A group that starts late, or again after a crash, is behind: torchft copies a live group's state
+  quorum; in a fresh job (no step committed yet) the groups of that quorum meet once and commit a first step,
+  so that torchft's step count, by which it tells who is behind, puts a group that starts later behind every
+  live one.  A group that starts late, or again after a crash, is behind: torchft copies a live group's state
   into it here (model, optimizer, scheduler, and the hook's: the outer step's anchor and momentum, the rule's
   position, the step), then the state drops what was the other group's own (its error-feedback residual).
 * **A step that communicated** ends with ``should_commit()``; the next quorum, where a waiting group is admitted
@@ -38,6 +40,7 @@ gradients every step (AB; QSR's replica groups of several ranks), the two-step e
 
 from __future__ import annotations
 
+import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import facts, registry
@@ -86,6 +89,12 @@ class LiveGroups:
         if error is not None:
             raise CollectiveError(f"commhooks.torchft.register: joining the quorum failed ({error.original_exception})"
                                   "; this group holds its own state, not the live groups': start it again")
+        if manager.current_step() == 0:
+            # a fresh job (torchft's init_sync makes every group of this quorum one model): meet once, after every
+            # heal is done (a group serves its state only until it commits), and count a first step, so that a
+            # group started later, at step 0, is behind every live group and heals from them, never they from it
+            self.comm.allreduce([torch.zeros(1, device=self.comm.device)], op="sum", tag="join", metered=False)
+            self.commit()
 
     # ------------------------------------------------------------------ healing
 
