@@ -123,6 +123,16 @@ class Injector:
               f"{fault.target}" + (f" for {fault.duration_s:g}s" if fault.duration_s else "")
               + f" (step ~{fault.step})", flush=True)
 
+    def inject_due(self, pending: list, attempt, alive_only: bool = False) -> None:
+        """One tick of the injection loop: the first fault due (in order, one per tick; with ``alive_only`` not
+        into a process that already ended), the faults whose time is up undone, a 50 ms pause."""
+        for fault in [f for f in pending if self.due(f)][:1]:
+            pending.remove(fault)
+            if not alive_only or attempt.procs[fault.target].poll() is None:
+                self.inject(fault, attempt)
+        self.undo_due()
+        time.sleep(0.05)
+
     def undo_due(self, everything: bool = False) -> None:
         keep = []
         for due, action, fault, attempt in self.undo:
@@ -158,11 +168,7 @@ class Injector:
                     attempt = self.start(index)
                     self.record["restarts"].append({"attempt": index, "at_s": round(self.now(), 2)})
                     continue
-                for fault in [f for f in pending if self.due(f)][:1]:  # in order, one per poll
-                    pending.remove(fault)
-                    self.inject(fault, attempt)
-                self.undo_due()
-                time.sleep(0.05)
+                self.inject_due(pending, attempt)
         finally:
             stop_workers(attempt.procs)
             self.undo_due(everything=True)
@@ -273,12 +279,7 @@ class LiveInjector(Injector):
                     self.start_group(attempt, g)
                     self.record["restarts"].append({"group": g, "at_s": round(self.now(), 2),
                                                     "log": attempt.logs[g].name})
-                for fault in [f for f in pending if self.due(f)][:1]:
-                    pending.remove(fault)
-                    if attempt.procs[fault.target].poll() is None:
-                        self.inject(fault, attempt)
-                self.undo_due()
-                time.sleep(0.05)
+                self.inject_due(pending, attempt, alive_only=True)
         finally:
             stop_workers(attempt.procs)
             self.undo_due(everything=True)
