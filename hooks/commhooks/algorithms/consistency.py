@@ -179,6 +179,12 @@ def _norms_not_finite(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     range (float32's ~3.4e38: an element near 1.8e19) -- the test ``clip_grad_norm_(error_if_nonfinite=True)``
     makes.  One fused ``torch._foreach_norm`` per (device, dtype) (the L2 norm: torch's fast path on CPU and GPU;
     the inf-norm it replaced cost 15x as much on CPU); stacked on the first gradient's device.  No host read."""
+    kinds = {(g.device, g.dtype, g.layout) for g in grads}
+    if len(kinds) == 1:  # the usual case, without a loop in Python: dense, one dtype on one device (an empty
+        (_, dtype, layout), = kinds  # gradient's norm is 0)
+        if layout == torch.strided:
+            wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
+            return ~torch.isfinite(torch.stack(torch._foreach_norm(grads, 2, dtype=wide)))
     grads = [_values(g) for g in grads]
     groups: Dict[tuple, List[int]] = defaultdict(list)
     out: List[torch.Tensor] = [grads[0]] * len(grads)  # every slot is filled below
@@ -190,8 +196,6 @@ def _norms_not_finite(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     for (_, dtype), members in groups.items():
         wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None  # half squares summed in fp32
         bad = ~torch.isfinite(torch.stack(torch._foreach_norm([grads[i] for i in members], 2, dtype=wide)))
-        if len(members) == len(grads):  # the usual case: one dtype on one device, no empty gradient
-            return bad
         for i, b in zip(members, bad):
             out[i] = b
     device = grads[0].device

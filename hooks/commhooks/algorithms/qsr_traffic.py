@@ -11,10 +11,12 @@ Registered with the algorithm (``register_algorithm(QSRConfig, QSRState, traffic
 * a sync, outer step (``outer_lr``, ``outer_momentum``, ``payload``, ``overlap_steps``, ``fragments``): each
   fragment's pseudo-gradient with its own step proof, fp32 by allreduce, any other codec by allgather of
   ``proof + codec.nbytes(fragment)`` or by the two-step exchange (an all-to-all when sent, an allgather when it
-  lands: :func:`~commhooks.algorithms.traffic.body_sends`) (``sync``, ``sync-f<k>``); buffers (``sync-buffers``) and moments
-  (``sync-moments``) each with a proof; unless every rank starts from the same weights (``setting.same_start``:
-  DDP and Horovod's ``broadcast_parameters`` see to it), the anchor once at the first step (``anchor``, ``4 x`` the synced
-  elements); hierarchical: each landed fragment shared in the group.
+  lands: :func:`~commhooks.algorithms.traffic.body_sends`) (``sync``, ``sync-f<k>``), an overlapped sync's
+  calls when sent marked with the steps they run behind (``Send.behind``: the planner hides them behind those
+  steps' compute); buffers (``sync-buffers``) and moments (``sync-moments``) each with a proof; unless every
+  rank starts from the same weights (``setting.same_start``: DDP and Horovod's ``broadcast_parameters`` see to
+  it), the anchor once at the first step (``anchor``, ``4 x`` the synced elements); hierarchical: each landed
+  fragment shared in the group.
 
 The plan (groups, parts, outer step or plain mean, fragment sizes) and each step's events (what lands, what is
 sent, when a round ends) are the state's own: :class:`~commhooks.algorithms.plan.SyncPlan` and
@@ -24,6 +26,7 @@ simulates the schedule a second time: each event is mapped to the calls it makes
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List
 
 from .plan import SyncPlan, row_shard_numel, runs, step_events
@@ -80,8 +83,8 @@ def qsr_traffic(config, setting: Setting) -> Traffic:
             h = qsr_period(t, s.lr(t), c)
         since += 1
         for event in step_events(t + 1, since, h, in_flight, c):
-            if event.kind == "send":
-                timeline[t] += sent[event.fragment]
+            if event.kind == "send":  # an overlapped sync runs behind the steps until it lands
+                timeline[t] += [dataclasses.replace(x, behind=event.at - (t + 1)) for x in sent[event.fragment]]
                 in_flight[event.fragment] = event.at
             elif event.kind == "land":
                 timeline[t] += landed[event.fragment]

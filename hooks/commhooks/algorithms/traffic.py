@@ -38,12 +38,15 @@ SCOPES = ("world", "group", "across")
 
 @dataclasses.dataclass(frozen=True)
 class Send:
-    """One collective call of this rank: its kind, the bytes the meter counts for it, its tag and scope."""
+    """One collective call of this rank: its kind, the bytes the meter counts for it, its tag and scope;
+    ``behind``: the optimizer steps it runs behind before anything waits for it (an overlapped sync: sent after
+    step ``s``, landing after step ``s + behind``; 0: the step waits for it)."""
 
     kind: str
     nbytes: int
     tag: str
     scope: str = "world"
+    behind: int = 0
 
     def __post_init__(self):
         if self.kind not in KINDS or self.scope not in SCOPES:

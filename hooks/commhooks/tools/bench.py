@@ -95,6 +95,8 @@ METHODS: Dict[str, List[str]] = {
     "local-h2-int8-hier-overlap": ["--config", "configs/local_h2_int8_hier_overlap_mnist1d.json"],
     "local-h2-int2-hier": ["--config", "configs/local_h2_int2_hier_mnist1d.json"],  # period 2 in int2 (nearest)
     "local-h3-int2-hier": ["--config", "configs/local_h3_int2_hier_mnist1d.json"],  # and period 3
+    "qsr-diloco-int2-overlap": ["--config", "configs/qsr_diloco_int2_overlap_mnist1d.json"],  # a0125, 1 step of
+    "qsr-diloco-int2-overlap2": ["--config", "configs/qsr_diloco_int2_overlap2_mnist1d.json"],  # overlap; and 2
     "qsr-nosync": ["--config", "configs/qsr_nosync_mnist1d.json"],  # syncs switched off: commhooks' per-step floor
     "compute-only": ["--hook", "compute-only"],
 }

@@ -28,9 +28,11 @@ algorithms sync shards across the nodes, and DDP's row is FSDP2's own HSDP (its 
 nodes every step).
 
 Links run at ``efficiency`` of their rate (TCP/IP over Ethernet frames carries
-~94 % payload).  A step is ``compute + method overhead + communication``,
-nothing overlapped (DDP overlaps part of its allreduce with backward, so DDP's
-prediction errs long on fast links).  Method overhead (PowerSGD's
+~94 % payload).  A step is ``compute + method overhead + communication -
+hidden``: an overlapped sync (its calls declared ``behind`` steps ahead of their
+landing) hides behind the compute of those steps, up to their compute time
+(:func:`hidden_ms`); nothing else overlaps (DDP overlaps part of its allreduce
+with backward, so DDP's prediction errs long on fast links).  Method overhead (PowerSGD's
 orthogonalisation, AB's projections) is unknown for a model you have not run:
 ``--calibrate`` takes it from a benchmark JSON (each method's step time on the
 unlimited link minus compute-only's).  Predictions for clusters you have not
@@ -250,16 +252,16 @@ class Load:
                     measured=self.measured)
 
     @classmethod
-    def of(cls, t: Declared, layout: "Layout") -> "Load":
-        """``t`` averaged per step; a replica group larger than a node (its collectives cross the nodes) counts
-        as the world."""
+    def of(cls, t: Declared, layout: "Layout", calls=None, steps: Optional[int] = None) -> "Load":
+        """``t``'s calls (or ``calls`` of it) averaged over its steps (or ``steps``); a replica group larger than a
+        node (its collectives cross the nodes) counts as the world."""
         names = {"world": "", "across": "_across", "group": "_intra" if t.group <= layout.ranks_per_node else ""}
         totals: Dict[str, int] = {}
-        for c in t.sends():
+        for c in t.sends() if calls is None else calls:
             scope = names[c.scope]
             totals[c.kind + scope] = totals.get(c.kind + scope, 0) + c.nbytes
             totals["calls" + scope] = totals.get("calls" + scope, 0) + 1
-        return cls(**{k: v / max(1, t.steps) for k, v in totals.items()})
+        return cls(**{k: v / max(1, t.steps if steps is None else steps) for k, v in totals.items()})
 
     def between_nodes(self, layout: "Layout") -> float:
         """Of :attr:`payload`, what this rank hands to collectives that span nodes."""
@@ -313,6 +315,18 @@ def comm_ms(t: Load, layout: Layout) -> float:
     return 1000 * (seconds + steps * layout.latency_us * 1e-6)
 
 
+def hidden_ms(t: Declared, layout: Layout, busy_ms: float) -> float:
+    """Communication per step (ms) that overlapped calls hide: each call sent ``behind`` steps ahead of its
+    landing (:class:`~commhooks.algorithms.traffic.Send`) runs during those steps, so up to ``behind *
+    busy_ms`` of its time is hidden (what is left is waited for when it lands).  The CPU time a call takes
+    away from the steps it hides behind is not modelled (the benchmark's overhead calibration holds part of it)."""
+    hidden = 0.0
+    for c in t.sends():
+        if c.behind:
+            hidden += min(comm_ms(Load.of(t, layout, [c], steps=1), layout), c.behind * busy_ms)
+    return hidden / max(1, t.steps)
+
+
 def predict(methods: Dict[str, dict], shapes: Shapes, layout: Layout, compute_ms: float, schedule: Schedule,
             overhead_ms: Optional[Dict[str, float]] = None, measured_bytes: Optional[Dict[str, float]] = None,
             overrides: Optional[dict] = None, proof: int = PROOF, buffers: int = 0, engine: str = DDP) -> List[dict]:
@@ -335,8 +349,11 @@ def predict(methods: Dict[str, dict], shapes: Shapes, layout: Layout, compute_ms
             continue
         if own is not None and source.get("hook") != COMPUTE_ONLY and not load.measured:
             load = load + Load.of(own, layout)
-        step = compute_ms + (overhead_ms or {}).get(label, 0.0) + comm_ms(load, layout)
-        rows.append({"method": label, "bytes_per_step": load.payload, "step_ms": step,
+        busy = compute_ms + (overhead_ms or {}).get(label, 0.0)
+        hidden = hidden_ms(t, layout, busy) if t is not None and not load.measured else 0.0
+        step = busy + comm_ms(load, layout) - hidden
+        rows.append({"method": label, "bytes_per_step": load.payload, "step_ms": step, "hidden_ms": hidden,
+                     "vs_compute_only": step / compute_ms if compute_ms else None,
                      "bytes_between_nodes_per_step": load.between_nodes(layout),
                      "bytes_measured": load.measured, "bytes_bound": not load.measured and not t.exact,
                      "syncs": None if t is None else t.syncs, "dense": source.get("hook") == DENSE,
@@ -494,14 +511,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{layout.nodes} nodes x {layout.ranks_per_node} ranks, "
           f"{layout.inter_gbit:g} Gbit/s between nodes, {layout.intra_gbit:g} inside; compute {compute:.2f} ms/step; "
           f"{schedule.steps} steps (predictions, not measurements)")
-    print("| method | bytes/rank/step | between nodes | syncs | predicted ms/step | vs DDP |\n"
-          "|---|---|---|---|---|---|")
+    print("| method | bytes/rank/step | between nodes | syncs | predicted ms/step | hidden by overlap | vs DDP | "
+          "vs compute-only |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         speedup = "—" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.2f}x"
         how = " (measured)" if r["bytes_measured"] else " (bound)" if r["bytes_bound"] else ""
         syncs = "—" if not r["syncs"] else str(r["syncs"])
+        hidden = f"{r['hidden_ms']:.1f} ms" if r["hidden_ms"] else "—"
         print(f"| {r['method']} | {r['bytes_per_step'] / 1e6:.3f} MB{how} | "
-              f"{r['bytes_between_nodes_per_step'] / 1e6:.3f} MB | {syncs} | {r['step_ms']:.1f} | {speedup} |")
+              f"{r['bytes_between_nodes_per_step'] / 1e6:.3f} MB | {syncs} | {r['step_ms']:.1f} | {hidden} | "
+              f"{speedup} | {r['vs_compute_only']:.2f}x |")
+    best = min((r for r in rows if methods[r["method"]].get("hook") != COMPUTE_ONLY), key=lambda r: r["step_ms"],
+               default=None)
+    if best is not None:
+        print(f"\nfastest: {best['method']}, {best['step_ms']:.1f} ms/step predicted: {best['vs_compute_only']:.2f}x "
+              f"compute-only's {compute:.1f} ms")
     for r in rows:
         if args.config and r["declared"] is not None and "config" in methods[r["method"]]:
             t = r["declared"]
