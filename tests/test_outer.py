@@ -139,6 +139,15 @@ def _worker(rank, world):
     delta = ef.anchor - tensors[0]
     ef.sync(comm, tensors, torch.zeros(9))
     out["ef_first"] = (ef.residual.clone(), delta - payload.round_trip(delta, "int8", 64))
+    # 5b. error_feedback_decay (SparseLoCo's beta): the next delta carries 0.5 x the residual
+    decayed = FragmentSync(1.0, 0.0, True, "int8", 64, True, feedback_decay=0.5)
+    decayed.anchor, tensors = torch.zeros(300), [torch.randn(300)]
+    decayed.sync(comm, tensors, torch.zeros(9))
+    first = decayed.residual.clone()
+    tensors[0].add_(torch.randn(300))  # local steps after the sync
+    delta = (decayed.anchor - tensors[0]).add_(first, alpha=0.5)
+    decayed.sync(comm, tensors, torch.zeros(9))
+    out["ef_decay"] = (first, decayed.residual.clone(), delta - payload.round_trip(delta, "int8", 64))
     return out
 
 
@@ -208,6 +217,8 @@ def test_error_feedback_carries_the_residual(results):
     for r in results:
         got, expected = r["ef_first"]
         assert torch.equal(got, expected) and got.abs().max() > 0
+        first, got, expected = r["ef_decay"]  # SparseLoCo's decayed residual: half of it joined the second delta
+        assert first.abs().max() > 0 and torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("codec, bound", [("bf16", "relative"), ("int8", "block")])

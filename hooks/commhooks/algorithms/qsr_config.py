@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Dict, Literal, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from typing_extensions import Annotated
 
 from .payload import PayloadFields
@@ -108,6 +108,10 @@ class QSRConfig(QuadraticRuleFields, PayloadFields):
         "none: DiLoCo's outer step"))
     error_feedback: bool = Field(False, description=(
         "add what the payload codec lost at a sync to the next sync's pseudo-gradient"))
+    error_feedback_decay: Annotated[float, Field(gt=0.0, le=1.0, description=(
+        "error_feedback: the carried residual is multiplied by this before it joins the next pseudo-gradient "
+        "(SparseLoCo's beta, 0.95: the residual then also serves as the outer momentum, so pair it with "
+        "outer_momentum 0 and outer_lr 1); 1 = classic error feedback"))] = 1.0
     overlap_steps: Annotated[int, Field(ge=0, description=(
         "apply each sync this many local steps after sending it, training on meanwhile (Streaming DiLoCo's "
         "tau; 0 = blocking); keep it below the shortest period"))] = 0
@@ -124,6 +128,13 @@ class QSRConfig(QuadraticRuleFields, PayloadFields):
         "with replica groups of k ranks: each rank syncs 1/k of the parameters with the same part of the "
         "other groups, then the group's ranks share their parts inside the node (k times less traffic "
         "across nodes; Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE for local SGD)"))
+
+    @model_validator(mode="after")
+    def _decay_needs_feedback(self) -> "QSRConfig":
+        if self.error_feedback_decay != 1.0 and not self.error_feedback:
+            raise ValueError(f"error_feedback_decay {self.error_feedback_decay} decays the error-feedback residual: "
+                             "set error_feedback true with it, or leave error_feedback_decay at 1.0")
+        return self
 
     @property
     def pseudo_gradient(self) -> bool:

@@ -101,7 +101,8 @@ class SyncDriver:
         c = config
         self.fragments = [FragmentSync(c.outer_lr, c.outer_momentum, c.outer_nesterov, c.codec, c.payload_block,
                                        c.error_feedback, keep_sent_from=c.overlap_steps > 0,
-                                       make_optimizer=make_optimizer) for _ in self.layout]
+                                       make_optimizer=make_optimizer, feedback_decay=c.error_feedback_decay)
+                          for _ in self.layout]
 
     # ------------------------------------------------------------ what a sync covers
     def part(self, member: int, tensors: Sequence[torch.Tensor]) -> Tensors:
@@ -225,10 +226,11 @@ class FragmentSync:
     residual, reused buffers; and its sync in flight."""
 
     def __init__(self, lr: float, momentum: float, nesterov: bool, codec, block: int, error_feedback: bool,
-                 keep_sent_from: bool = True, make_optimizer=None):
+                 keep_sent_from: bool = True, make_optimizer=None, feedback_decay: float = 1.0):
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
         self.codec = payload.Codec.of(codec, block)  # a Codec, or a codec's name with its block size
         self.error_feedback = error_feedback
+        self.feedback_decay = feedback_decay  # the residual's weight in the next sync (SparseLoCo's beta)
         self.keep_sent_from = keep_sent_from  # overlapped syncs merge the progress made since: keep the weights
         self.anchor: Optional[torch.Tensor] = None
         self.buffer: Optional[torch.Tensor] = None  # outer momentum
@@ -260,6 +262,7 @@ class FragmentSync:
         ef = self.error_feedback
         work, lost = start_change_mean(comm, tensors, self.anchor, self.codec, proof, self.buffers, group=group,
                                        tag=tag, seed=seed, error_feedback=ef, residual=self.residual if ef else None,
+                                       residual_decay=self.feedback_decay,
                                        feedback=self.owner_feedback if ef else None, sent_from=kept)
         if lost is not None:
             self.residual = lost
@@ -335,12 +338,13 @@ def start_change_mean(comm: Comm, tensors: Sequence[torch.Tensor], anchor: torch
                       buffers: Dict[str, torch.Tensor], group=None, tag: str = "sync", seed: Optional[int] = None,
                       error_feedback: bool = False, residual: Optional[torch.Tensor] = None,
                       feedback: Optional[OwnerFeedback] = None,
-                      sent_from: Optional[torch.Tensor] = None) -> Tuple[Work, Optional[torch.Tensor]]:
+                      sent_from: Optional[torch.Tensor] = None,
+                      residual_decay: float = 1.0) -> Tuple[Work, Optional[torch.Tensor]]:
     """Start averaging ``anchor - tensors`` (the change since ``anchor``, plus the last ``residual``) through
     ``codec``, the step proof riding along; returns the :class:`Work` (``wait()``: ``(mean change, mean
     proof)``) and, with ``error_feedback``, what the codec lost of it (None for fp32).  ``sent_from``: a buffer
     that keeps the weights sent from; ``buffers``: the caller's reused send buffers; ``feedback``: the
-    two-step exchange's owner residual."""
+    two-step exchange's owner residual; ``residual_decay``: the residual's weight (SparseLoCo's beta)."""
     n, p, device = sum(t.numel() for t in tensors), proof.numel(), tensors[0].device
     packed = None
     if codec.name == "fp32":  # the allreduce's buffer: the proof, then the change
@@ -354,7 +358,10 @@ def start_change_mean(comm: Comm, tensors: Sequence[torch.Tensor], anchor: torch
     else:  # the weights straight into the send buffer, then anchor - weights in place
         torch.sub(anchor, _flat_into(delta, tensors), out=delta)
     if residual is not None:
-        delta += residual
+        if residual_decay == 1.0:
+            delta += residual
+        else:
+            delta.add_(residual, alpha=residual_decay)
     sent, lost = None, None
     if codec.name != "fp32":
         way = codec.exchange_for(comm.size if group is None else group.size) or codec  # two-step: piece by piece

@@ -95,11 +95,17 @@ METHODS: Dict[str, List[str]] = {
     "local-h2-int8-hier-overlap": ["--config", "configs/local_h2_int8_hier_overlap_mnist1d.json"],
     "local-h2-int2-hier": ["--config", "configs/local_h2_int2_hier_mnist1d.json"],  # period 2 in int2 (nearest)
     "local-h3-int2-hier": ["--config", "configs/local_h3_int2_hier_mnist1d.json"],  # and period 3
+    "local-h4-int2-hier": ["--config", "configs/local_h4_int2_hier_mnist1d.json"],  # and 4
     "qsr-diloco-int2-overlap": ["--config", "configs/qsr_diloco_int2_overlap_mnist1d.json"],  # a0125, 1 step of
     "qsr-diloco-int2-overlap2": ["--config", "configs/qsr_diloco_int2_overlap2_mnist1d.json"],  # overlap; and 2
+    "qsr-sparseloco-d2": ["--config", "configs/qsr_sparseloco_d2_mnist1d.json"],  # top-k 2 % / 3 %, int2 values, the
+    "qsr-sparseloco-d3": ["--config", "configs/qsr_sparseloco_d3_mnist1d.json"],  # residual decayed (0.95) as momentum
+    "qsr-sparseloco-d2-a008": ["--config", "configs/qsr_sparseloco_d2_a008_mnist1d.json"],  # the same at alpha 0.008,
+    "qsr-sparseloco-d2-lr2": ["--config", "configs/qsr_sparseloco_d2_lr2_mnist1d.json"],  # at outer lr 2
     "qsr-nosync": ["--config", "configs/qsr_nosync_mnist1d.json"],  # syncs switched off: commhooks' per-step floor
     "compute-only": ["--hook", "compute-only"],
 }
+CONTROLS = ("qsr-nosync",)  # methods that measure a floor, never one to choose (the planner's list leaves them out)
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
 
 

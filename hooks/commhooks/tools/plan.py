@@ -596,7 +596,7 @@ def _methods(args, schedule, shapes, layout) -> Dict[str, dict]:
         for path in (x for x in args.config.split(",") if x):
             out[Path(path).stem] = {"config": path}
     elif not names:
-        for name in _bench().METHODS:
+        for name in (m for m in _bench().METHODS if m not in _bench().CONTROLS):
             source = _bench().method_source(name, args.model if args.model in ("cnn", "mlp", "gpt") else "cnn")
             t = declared(source, shapes, Schedule(min(schedule.steps, 60), schedule.warmup, schedule.peak_lr), layout,
                          engine=args.engine)
