@@ -28,6 +28,8 @@ RECORDED_BYTES = [(p, 36, False) for p in RECORDED[:3]] + [
     (REPO / "results" / "bench-gpt-payloads-2026-12-05" / "results.json", 40, True),  # GPT: fp32 ... top-k, DiLoCo
     (REPO / "results" / "bench-gpt-1000steps-int2-2026-12-05" / "results.json", 40, True),  # 1000 steps, period 2
     (REPO / "results" / "bench-mnist1d-frontier-2026-12-06" / "results.json", 40, True),  # int2 overlapped, no sync
+    (REPO / "results" / "bench-topk-sparseloco-2026-12-06" / "results.json", 40, True),  # top-k, the residual decayed
+    (REPO / "results" / "bench-topk-sparseloco-2026-12-06" / "round2" / "results.json", 40, True),
 ]
 
 

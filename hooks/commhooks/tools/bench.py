@@ -102,6 +102,7 @@ METHODS: Dict[str, List[str]] = {
     "qsr-sparseloco-d3": ["--config", "configs/qsr_sparseloco_d3_mnist1d.json"],  # residual decayed (0.95) as momentum
     "qsr-sparseloco-d2-a008": ["--config", "configs/qsr_sparseloco_d2_a008_mnist1d.json"],  # the same at alpha 0.008,
     "qsr-sparseloco-d2-lr2": ["--config", "configs/qsr_sparseloco_d2_lr2_mnist1d.json"],  # at outer lr 2
+    "qsr-sparseloco-d2-lr2-overlap2": ["--config", "configs/qsr_sparseloco_d2_lr2_overlap2_mnist1d.json"],  # + overlap
     "qsr-nosync": ["--config", "configs/qsr_nosync_mnist1d.json"],  # syncs switched off: commhooks' per-step floor
     "compute-only": ["--hook", "compute-only"],
 }
