@@ -30,6 +30,8 @@ RECORDED_BYTES = [(p, 36, False) for p in RECORDED[:3]] + [
     (REPO / "results" / "bench-mnist1d-frontier-2026-12-06" / "results.json", 40, True),  # int2 overlapped, no sync
     (REPO / "results" / "bench-topk-sparseloco-2026-12-06" / "results.json", 40, True),  # top-k, the residual decayed
     (REPO / "results" / "bench-topk-sparseloco-2026-12-06" / "round2" / "results.json", 40, True),
+    (REPO / "results" / "bench-topk-sparseloco-2026-12-06" / "time-100mbit" / "results.json", 40, True),
+    (REPO / "results" / "bench-gpt-1000steps-h34-2026-12-06" / "results.json", 40, True),  # GPT, periods 3 and 4
 ]
 
 

@@ -111,7 +111,8 @@ class QSRConfig(QuadraticRuleFields, PayloadFields):
     error_feedback_decay: Annotated[float, Field(gt=0.0, le=1.0, description=(
         "error_feedback: the carried residual is multiplied by this before it joins the next pseudo-gradient "
         "(SparseLoCo's beta, 0.95: the residual then also serves as the outer momentum, so pair it with "
-        "outer_momentum 0 and outer_lr 1); 1 = classic error feedback"))] = 1.0
+        "outer_momentum 0; with topk, outer_lr between 1 and the ranks averaged, whose choices differ); "
+        "1 = classic error feedback"))] = 1.0
     overlap_steps: Annotated[int, Field(ge=0, description=(
         "apply each sync this many local steps after sending it, training on meanwhile (Streaming DiLoCo's "
         "tau; 0 = blocking); keep it below the shortest period"))] = 0
