@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -32,6 +33,7 @@ from .. import config as cfg
 from .. import ddp as ddp_adapter
 from .. import registry
 from ..checkpointer import Checkpointer
+from ..comm import CollectiveError
 from ..facts import launcher_local_world_size
 from .anchors import ANCHORS, register_anchor
 from . import live
@@ -510,6 +512,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except LaunchError as exc:
         print(f"commhooks: launch error: {exc}", file=sys.stderr, flush=True)
         return _exit_after_grace()
+    except CollectiveError:
+        # the process group is broken (a peer cut off, stopped or dead): tearing it down at exit can wait on the
+        # lost peer or abort in a library's destructor (gloo's threads: "terminate called", exit -6 instead of
+        # 1), so the rank prints its error and ends now; a launcher's restart takes it from the checkpoint
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     return 0
 
 
