@@ -179,12 +179,15 @@ def _norms_not_finite(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     range (float32's ~3.4e38: an element near 1.8e19) -- the test ``clip_grad_norm_(error_if_nonfinite=True)``
     makes.  One fused ``torch._foreach_norm`` per (device, dtype) (the L2 norm: torch's fast path on CPU and GPU;
     the inf-norm it replaced cost 15x as much on CPU); stacked on the first gradient's device.  No host read."""
+    def not_finite(same: Sequence[torch.Tensor], dtype) -> torch.Tensor:  # one dtype on one device
+        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None  # half squares summed in fp32
+        return ~torch.isfinite(torch.stack(torch._foreach_norm(same, 2, dtype=wide)))
+
     kinds = {(g.device, g.dtype, g.layout) for g in grads}
     if len(kinds) == 1:  # the usual case, without a loop in Python: dense, one dtype on one device (an empty
         (_, dtype, layout), = kinds  # gradient's norm is 0)
         if layout == torch.strided:
-            wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None
-            return ~torch.isfinite(torch.stack(torch._foreach_norm(grads, 2, dtype=wide)))
+            return not_finite(grads, dtype)
     grads = [_values(g) for g in grads]
     groups: Dict[tuple, List[int]] = defaultdict(list)
     out: List[torch.Tensor] = [grads[0]] * len(grads)  # every slot is filled below
@@ -194,9 +197,7 @@ def _norms_not_finite(grads: Sequence[torch.Tensor]) -> torch.Tensor:
         else:  # no element (a sparse gradient of an unused embedding): nothing non-finite
             out[i] = torch.zeros((), dtype=torch.bool, device=g.device)
     for (_, dtype), members in groups.items():
-        wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) else None  # half squares summed in fp32
-        bad = ~torch.isfinite(torch.stack(torch._foreach_norm([grads[i] for i in members], 2, dtype=wide)))
-        for i, b in zip(members, bad):
+        for i, b in zip(members, not_finite([grads[i] for i in members], dtype)):
             out[i] = b
     device = grads[0].device
     return torch.stack([b.to(device) for b in out])

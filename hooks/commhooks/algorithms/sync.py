@@ -358,10 +358,7 @@ def start_change_mean(comm: Comm, tensors: Sequence[torch.Tensor], anchor: torch
     else:  # the weights straight into the send buffer, then anchor - weights in place
         torch.sub(anchor, _flat_into(delta, tensors), out=delta)
     if residual is not None:
-        if residual_decay == 1.0:
-            delta += residual
-        else:
-            delta.add_(residual, alpha=residual_decay)
+        delta.add_(residual, alpha=residual_decay)  # (alpha 1: exactly delta += residual)
     sent, lost = None, None
     if codec.name != "fp32":
         way = codec.exchange_for(comm.size if group is None else group.size) or codec  # two-step: piece by piece
