@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Any, Optional, Tuple
 
@@ -32,6 +33,16 @@ class HorovodComm(Comm):
     named ``commhooks.<group>.<kind>.<dtype>.<numel>.<i>``, where ``i`` is the
     lowest index not in flight for that key: every step's calls get the same
     names (the cache hits) and calls of one shape in flight together differ.
+
+    Waits: Horovod's ``synchronize`` spins on ``sched_yield`` until its
+    background thread has done the work.  With a core per rank that costs
+    nothing; with more ranks than cores (CPU jobs, tests, a node shared with
+    data loaders) the spinning main threads take the cores the background
+    threads need, and a 12-step job on 4 ranks / 2 cores took minutes
+    instead of seconds.  So a wait polls (``hvd.poll``) with a sleep that
+    doubles from 10 us up to 1 ms, then calls ``synchronize`` (which
+    returns at once, or raises the collective's error): at most ~1 ms
+    added to a collective that lasted longer than that.
 
     Means: ``hvd.Average`` (Horovod sums, then scales); fp16 is scaled by
     ``1/size`` before the sum (``prescale_factor``), so it cannot overflow.
@@ -75,7 +86,7 @@ class HorovodComm(Comm):
 
         def wait():
             try:
-                hvd.synchronize(handle)
+                self._synchronize(handle)
             finally:
                 self._inflight[key].discard(i)
 
@@ -84,10 +95,18 @@ class HorovodComm(Comm):
             return (lambda: None), None
         return wait, None
 
+    def _synchronize(self, handle):
+        """``hvd.synchronize(handle)`` without its spin: poll, sleeping 10 us doubling to 1 ms (see the class)."""
+        pause = 1e-5
+        while not self.hvd.poll(handle):
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        return self.hvd.synchronize(handle)
+
     def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
         key, i, name = self._claim(group, f"broadcast-{src}", flat)
         try:
-            self.hvd.broadcast_(flat, root_rank=src, name=name, process_set=group.handle)
+            self._synchronize(self.hvd.broadcast_async_(flat, root_rank=src, name=name, process_set=group.handle))
         finally:
             self._inflight[key].discard(i)
 
@@ -112,7 +131,7 @@ class HorovodComm(Comm):
 
         def wait():
             try:
-                return self.hvd.synchronize(handle)
+                return self._synchronize(handle)
             finally:
                 self._inflight[key].discard(i)
 
