@@ -3,11 +3,17 @@
     results = run_ranks(worker, world_size=2, some_arg=1)
 
 ``worker(rank, world_size, **kwargs)`` runs after ``init_process_group("gloo")``
-in a spawned process; its return value comes back (via ``torch.save``).  An
+in a fresh process; its return value comes back (via ``torch.save``).  An
 exception on any rank fails the test with that rank's traceback; a rank that
 does not finish in ``timeout`` seconds gets every rank killed and the test
 fails with "hang".  Workers must be module-level functions (spawn pickles them
 by name).
+
+Ranks are forked from a fork server that has imported torch and commhooks once (``forkserver`` with those
+preloaded): a rank then starts in a fraction of a second instead of the 2-3 s an import of torch takes on
+this machine, which over the suite's few hundred rank starts is minutes.  Each rank takes the parent's
+environment as it is at ``run_ranks`` (the fork server's was fixed when it started).
+``COMMHOOKS_TEST_START=spawn`` starts every rank from scratch instead.
 """
 
 from __future__ import annotations
@@ -26,9 +32,20 @@ from commhooks.launch import free_port
 from tests import torch_compat  # noqa: F401 - the suite's torch spelling, in every rank
 
 COLLECTIVE_TIMEOUT_S = 60
+PRELOADED = ["torch", "torch.distributed", "commhooks", "commhooks.ddp", "tests.dist"]
 
 
-def _entry(fn, rank, world, port, outdir, kwargs, env, backend, device_id):
+def _context():
+    method = os.environ.get("COMMHOOKS_TEST_START", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOADED)  # read when the server starts (the first call); later calls no-ops
+    return ctx
+
+
+def _entry(fn, rank, world, port, outdir, kwargs, env, backend, device_id, parent_env):
+    os.environ.clear()
+    os.environ.update(parent_env)  # the parent's environment now, not the fork server's at its start
     os.environ.update({  # a launcher's variables for one node; ``env`` may override any (nodes of fewer ranks)
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
         "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
@@ -75,11 +92,12 @@ def run_ranks(fn, world_size: int = 2, timeout: float = 120.0, env=None, backend
     group's (``"cuda:gloo"``: several ranks on one GPU, refusing CPU tensors as NCCL does).  ``env``: a dict
     for every rank, or a function of the rank giving each its own (NCCL on one GPU: tests/gpu/common.py).
     ``device_id``: a CUDA device each rank binds and hands to ``init_process_group`` (eager NCCL)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port("127.0.0.1")
     with tempfile.TemporaryDirectory() as outdir:
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, port, outdir, kwargs, env or {}, backend, device_id), daemon=True)
+            ctx.Process(target=_entry, args=(fn, r, world_size, port, outdir, kwargs, env or {}, backend, device_id,
+                                              dict(os.environ)), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
