@@ -74,22 +74,10 @@ class HorovodComm(Comm):
     def _allreduce_flat(self, flat: torch.Tensor, op: str, group: Group, async_op: bool,
                         key: Optional[str] = None):
         hvd = self.hvd
-        key, i, name = self._claim(group, f"allreduce-{op}", flat, key)
         kwargs = {"op": {"sum": hvd.Sum, "max": hvd.Max, "mean": hvd.Average}[op]}
         if op == "mean" and flat.dtype == torch.float16:  # divide before the sum, as DDP's default hook does
             kwargs = {"op": hvd.Sum, "prescale_factor": 1.0 / group.size}
-        try:
-            handle = hvd.allreduce_async_(flat, name=name, process_set=group.handle, **kwargs)
-        except Exception:
-            self._inflight[key].discard(i)
-            raise
-
-        def wait():
-            try:
-                self._synchronize(handle)
-            finally:
-                self._inflight[key].discard(i)
-
+        wait = self._started(f"allreduce-{op}", hvd.allreduce_async_, flat, group, key, **kwargs)
         if not async_op:
             wait()
             return (lambda: None), None
@@ -104,11 +92,7 @@ class HorovodComm(Comm):
         return self.hvd.synchronize(handle)
 
     def _broadcast_flat(self, flat: torch.Tensor, src: int, group: Group) -> None:
-        key, i, name = self._claim(group, f"broadcast-{src}", flat)
-        try:
-            self._synchronize(self.hvd.broadcast_async_(flat, root_rank=src, name=name, process_set=group.handle))
-        finally:
-            self._inflight[key].discard(i)
+        self._started(f"broadcast-{src}", self.hvd.broadcast_async_, flat, group, root_rank=src)()
 
     def _allgather_flat(self, flat: torch.Tensor, group: Group):
         # Horovod's allgather carries any dtype, int8 and raw bytes included (its allreduce refuses those)
@@ -120,11 +104,12 @@ class HorovodComm(Comm):
         wait = self._started("alltoall", self.hvd.alltoall_async, flat, group)
         return lambda: (lambda out: out[0] if isinstance(out, (tuple, list)) else out)(wait())
 
-    def _started(self, kind: str, start, flat: torch.Tensor, group: Group):
-        """Start Horovod's ``start(flat, name=, process_set=)`` under a claimed name; the function that waits."""
-        key, i, name = self._claim(group, kind, flat)
+    def _started(self, kind: str, start, flat: torch.Tensor, group: Group, what: Optional[str] = None, **kwargs):
+        """Start Horovod's ``start(flat, name=, process_set=, **kwargs)`` under a claimed name (``what``: see
+        :meth:`_claim`); the function that waits (:meth:`_synchronize`) and frees the name."""
+        key, i, name = self._claim(group, kind, flat, what)
         try:
-            handle = start(flat, name=name, process_set=group.handle)
+            handle = start(flat, name=name, process_set=group.handle, **kwargs)
         except Exception:
             self._inflight[key].discard(i)
             raise
