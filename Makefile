@@ -20,10 +20,10 @@ demo: install
 	$(TRAIN) --config configs/qsr_mnist1d.json --label qsr --json-out $(DEMO)/qsr.json
 	@$(VENV)/bin/commhooks table $(DEMO)/ddp.json $(DEMO)/qsr_best.json $(DEMO)/abqsr.json $(DEMO)/qsr.json
 
-# the whole suite on torch 2.13, then its core on the oldest torch setup.cfg accepts (.ci/oldest-torch.sh says why)
+# the whole suite on torch 2.13 (2 workers, then the `serial` tests alone), then its core on the oldest torch
+# setup.cfg accepts (.ci/oldest-torch.sh says why); ends with its wall time and the 10 slowest tests (.ci/test.sh)
 test: install gpu-bundle
-	$(VENV)/bin/python -m pytest -q
-	@bash .ci/oldest-torch.sh
+	@bash .ci/test.sh
 
 test-oldest-torch:
 	@bash .ci/oldest-torch.sh

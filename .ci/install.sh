@@ -77,6 +77,24 @@ if [ ! -x "$CACHE/mpich/bin/mpiexec" ]; then
     "${pip[@]}" -q --prefix "$CACHE/mpich" mpich
 fi
 
+# DeepSpeed compiles its CPU ops (the shared-memory allreduce every engine loads, the fused Adam) with g++ on first
+# use: about 2 minutes of both cores.  Build them here, once per clone, into the cache the tests and the trainer
+# point TORCH_EXTENSIONS_DIR at, so no test pays for it.  Built in a side folder and moved in whole: a build killed
+# half way leaves torch's lock file behind, and every later run would wait on it forever.
+ext="$CACHE/torch_extensions"
+if [ ! -f "$ext/.built" ]; then
+    echo "install: DeepSpeed's CPU ops into $ext (about 2 min)"
+    rm -rf "$ext.tmp" && mkdir -p "$ext.tmp"
+    TORCH_EXTENSIONS_DIR="$(realpath -m "$ext.tmp")" OMP_NUM_THREADS=1 MAX_JOBS=$(nproc) "$VENV/bin/python" - <<'PY'
+from deepspeed.accelerator import get_accelerator
+for name in ("ShareMemCommBuilder", "FusedAdamBuilder"):
+    builder = get_accelerator().create_op_builder(name)
+    if builder is not None:
+        builder.load(verbose=False)
+PY
+    rm -rf "$ext" && mv "$ext.tmp" "$ext" && touch "$ext/.built"
+fi
+
 "$VENV/bin/python" -c "import torch, commhooks; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__"
 echo "$want" > "$stamp"
 echo "install: done ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from commhooks.algorithms.alignment import STEP_PROOF_BYTES
+from commhooks.launch import free_port
 
 from tests.test_horovod import check_toy
 
@@ -35,7 +36,7 @@ def launch(launcher, config, out, timeout=300):
     if launcher == "deepspeed":
         deepspeed = BIN / "deepspeed"
         assert deepspeed.exists(), "the deepspeed launcher is missing: the install step (commhooks[deepspeed]) failed"
-        cmd = [str(deepspeed), "--num_gpus", "2", "--master_port", str(29700 + os.getpid() % 200), SCRIPT]
+        cmd = [str(deepspeed), "--num_gpus", "2", "--master_port", str(free_port("127.0.0.1")), SCRIPT]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT]
     cmd += ["--deepspeed_config", str(REPO / "configs" / config), "--out", str(out)]
@@ -135,6 +136,7 @@ def replica_runs(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)], out
 
 
+@pytest.mark.xdist_group("ds_replicas")  # one 4-rank launch serves both
 def test_fp16_loss_scaler_with_replica_groups(replica_runs):
     """fp16 at ZeRO 2 with an overflow in one pair: the loss scaler skips that pair's step, the schedule holds.
     DeepSpeed refuses fp16 on a CPU whose accelerator has no fp16 kernels (this machine's has them since
@@ -146,6 +148,7 @@ def test_fp16_loss_scaler_with_replica_groups(replica_runs):
     assert [r["fp16_zero2_overflow"]["sync_steps"] for r in runs].count(fp16["sync_steps"]) == 4
 
 
+@pytest.mark.xdist_group("ds_replicas")  # one 4-rank launch serves both
 def test_replica_groups_under_deepspeed_bf16_zero(replica_runs):
     """QSR group_size 2 on 4 ranks in real DeepSpeed engines: bf16 at ZeRO 1, 2 and 3 (the engine's data-parallel
     group is the pair; at stage 3 each rank holds a partition of the parameters themselves), an overflow in one pair only at ZeRO 0 and 2, exact resume at ZeRO 2; an unseeded model
@@ -256,7 +259,7 @@ def test_ab_at_zero3_config_error_on_every_rank_without_hang(tmp_path):
 def test_train_under_deepspeed_launcher(tmp_path):
     env = ds_env()
     proc = subprocess.run(
-        [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(29900 + os.getpid() % 90), "--module",
+        [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port("127.0.0.1")), "--module",
          "commhooks.tools.train", "--backend", "deepspeed", "--deepspeed_config", str(REPO / "configs" / "ds_ab_mnist1d.json"),
          "--steps", "230", "--no-progress"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
@@ -267,7 +270,7 @@ def test_train_under_deepspeed_launcher(tmp_path):
 
 def test_shipped_bf16_zero2_config_under_the_launcher_script(tmp_path):
     """launchers/deepspeed.sh runs configs/ds_qsr_bf16_zero2.json unchanged: 4 ranks, pairs, bf16, ZeRO 2."""
-    env = ds_env(NUM_GPUS="4", DS_CONFIG="configs/ds_qsr_bf16_zero2.json", MASTER_PORT=str(29800 + os.getpid() % 90))
+    env = ds_env(NUM_GPUS="4", DS_CONFIG="configs/ds_qsr_bf16_zero2.json", MASTER_PORT=str(free_port("127.0.0.1")))
     out = tmp_path / "summary.json"
     proc = subprocess.run([str(REPO / "launchers" / "deepspeed.sh"), "--steps", "80", "--no-progress", "--log-every", "40",
                            "--json-out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

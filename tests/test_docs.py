@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from commhooks.launch import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 PAGES = REPO / "docs" / "pages"
 EXAMPLES = REPO / "examples"
@@ -131,7 +133,7 @@ def test_horovod_example():
 
 
 def test_deepspeed_example():
-    _run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(29800 + os.getpid() % 150),
+    _run([str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port("127.0.0.1")),
           "examples/deepspeed_train.py", "--deepspeed_config", "examples/ds_config.json"])
 
 

@@ -17,6 +17,8 @@ from tests.declared import declared
 from tests.dist import run_ranks
 from tests.test_payloads import _net, _run
 
+pytestmark = pytest.mark.xdist_group("test_exchange")  # its module fixtures are built once, on one worker
+
 N = 1000
 CODECS = {
     "int8": Codec("int8", 64),

@@ -72,6 +72,7 @@ def complete_checkpoints(root: Path):
     return found
 
 
+@pytest.mark.serial  # kills and restarts on a schedule of steps
 def test_killed_three_times_once_while_saving_ends_bit_identical(tmp_path):
     ref = torchrun(tmp_path, "reference", [])
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -124,6 +125,7 @@ def _timed_saves(rank, world, ckdir, out):
     Path(out, f"rank{rank}.json").write_text(json.dumps({"saved": ckpt.saved_steps, "events": events}))
 
 
+@pytest.mark.serial  # saves every few seconds of wall time
 def test_checkpointer_saves_by_time_at_the_same_steps_on_every_rank(tmp_path):
     run_ranks(_timed_saves, 2, timeout=120, ckdir=str(tmp_path / "ck"), out=str(tmp_path))
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
@@ -149,6 +151,7 @@ def test_checkpointer_names_a_bad_argument(tmp_path, kwargs, named):
 TIMEOUT_S = 5
 
 
+@pytest.mark.serial  # each rank must fail within the timeout plus a margin
 def test_link_down_is_an_error_naming_the_peers_on_every_rank_then_a_resumed_run(tmp_path):
     if os.geteuid() != 0:
         pytest.fail("network namespaces need root; CI runs as root")
@@ -190,6 +193,7 @@ def test_link_down_is_an_error_naming_the_peers_on_every_rank_then_a_resumed_run
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.serial  # torchft's heartbeats and a 30 s collective timeout
 def test_injector_live_groups_a_killed_group_heals_and_the_groups_end_identical(tmp_path):
     config = json.loads((REPO / "configs" / "qsr_int8_mnist1d.json").read_text())
     config.update(timeout_s=30, payload_exchange="allgather", error_feedback=True)

@@ -17,6 +17,8 @@ from commhooks.config import ConfigError
 from tests.declared import declared
 from tests.dist import run_ranks
 
+pytestmark = pytest.mark.xdist_group("test_fsdp")  # its module fixtures are built once, on one worker
+
 STEPS = 9
 
 

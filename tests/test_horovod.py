@@ -117,6 +117,7 @@ def _launched(procs_out, out):
     return rows, params
 
 
+@pytest.mark.serial  # Horovod's rendezvous binds MASTER_PORT + 1, which torchrun did not reserve (a parallel test's connection can hold it)
 def test_horovod_under_mpirun_mpiexec_srun_and_torchrun_matches_horovodrun(tmp_path):
     from tests.test_launch import MPICH, VENV_BIN, clean_env, srun_by_hand
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from commhooks.launch import LaunchError, discover, parse_nodelist, parse_tasks_per_node
+from commhooks.launch import LaunchError, discover, free_port, parse_nodelist, parse_tasks_per_node
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -250,7 +250,7 @@ def test_launcher_mpirun_horovod_backend(mpirun):
 
 
 def test_launcher_deepspeed():
-    env = clean_env(MASTER_PORT=str(29600 + os.getpid() % 100))
+    env = clean_env(MASTER_PORT=str(free_port("127.0.0.1")))
     proc = run_script(["bash", "launchers/deepspeed.sh", *SHORT], env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count("[commhooks] ab: test_acc=") == 1 and "ranks=2" in proc.stdout

@@ -13,6 +13,8 @@ from pathlib import Path
 import grimp  # the `test` extra
 import pytest
 
+pytestmark = pytest.mark.xdist_group("test_layers")  # its module fixtures are built once, on one worker
+
 PACKAGE = "commhooks"
 PKG = Path(__file__).resolve().parents[1] / "hooks" / PACKAGE
 

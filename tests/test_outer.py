@@ -17,6 +17,8 @@ from commhooks.algorithms.traffic import Send
 from tests.declared import declared
 from tests.dist import run_ranks
 
+pytestmark = pytest.mark.xdist_group("test_outer")  # its module fixtures are built once, on one worker
+
 SGD = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
 
 

@@ -26,6 +26,8 @@ from commhooks.algorithms.traffic import Send
 from tests.declared import declared
 from tests.dist import run_ranks
 
+pytestmark = pytest.mark.xdist_group("test_payloads")  # its module fixtures are built once, on one worker
+
 
 def _x(n=10_000, seed=3):
     g = torch.Generator().manual_seed(seed)

@@ -159,6 +159,7 @@ def _commit_with_late_files(rank, world, ckdir, delay):
     return seen
 
 
+@pytest.mark.serial  # a file 1.5 s late against a 1 s commit timeout
 def test_the_commit_waits_for_every_rank_file_and_refuses_one_that_never_lands(tmp_path):
     """The manifest and ``latest`` name a checkpoint only once every rank's file is there: a rank-1 file that
     lands 1.5 s late is waited for (today's commit, a barrier then the manifest, named a folder without it), and
@@ -322,6 +323,7 @@ def _nan_before_svd(rank, world):
     return None if state.phase != "ab" else "the basis was taken without a word"
 
 
+@pytest.mark.serial  # a 4 s collective timeout that must not fire
 def test_nan_weight_before_the_svd_is_named_on_every_rank():
     for message in run_ranks(_nan_before_svd, 2):
         assert message is not None and "NaN or Inf in 2.weight" in message and "SVD" in message, message
@@ -352,6 +354,7 @@ def _nan_gradient(rank, world, policy):
     return state.skipped_steps, unchanged, state.step
 
 
+@pytest.mark.serial  # a 4 s collective timeout that must not fire
 def test_nan_gradient_raises_on_every_rank_at_the_next_sync_naming_step_and_parameter():
     # the guard records on the device (no host read per step) and the record rides in the sync's step proof:
     # at the sync after the NaN (step 4) both ranks raise together, no rank is left waiting for the other
@@ -393,6 +396,7 @@ def _silent_rank_report(rank, world, out):
     return result
 
 
+@pytest.mark.serial  # a 3 s timeout measured against 10 s
 def test_timeout_error_names_collective_and_group(tmp_path):
     out = tmp_path / "rank0.json"
     try:

@@ -20,6 +20,8 @@ from tests.declared import declared
 from tests.dist import run_ranks
 from tests.test_outer import SGD, _batch, _net, _qsr_run
 
+pytestmark = pytest.mark.xdist_group("test_streaming")  # its module fixtures are built once, on one worker
+
 
 def _reference(steps, period, lr, mu, tau, frags, merge="progress", alpha=1.0):
     """Streaming DiLoCo written out from the docstring of commhooks.algorithms.sync, independently of

@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "torchft_groups.py"  # the docs show it
 
 
+@pytest.mark.serial  # the Lighthouse's 1 s heartbeat timeout
 def test_a_group_killed_mid_round_heals_from_the_live_one_and_they_end_identical(tmp_path):
     from torchft.coordination import LighthouseServer  # the `torchft` extra: a missing install fails here
 
@@ -55,6 +56,7 @@ def test_a_group_killed_mid_round_heals_from_the_live_one_and_they_end_identical
         assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.serial  # the Lighthouse's 1 s heartbeat timeout
 def test_groups_with_different_configs_are_refused_when_one_heals_from_the_other(tmp_path):
     from torchft.coordination import LighthouseServer
 

@@ -18,6 +18,8 @@ import commhooks
 from tests.declared import declared
 from tests.dist import run_ranks
 
+pytestmark = pytest.mark.xdist_group("test_traffic")  # its module fixtures are built once, on one worker
+
 STEPS = 10
 CONFIGS = {
     "hier-moments": {"type": "qsr", "h_base": 3, "group_size": 2, "hierarchical": True,

@@ -19,6 +19,8 @@ import commhooks
 from commhooks.config import ConfigError, load_config
 from tests.dist import run_ranks
 
+pytestmark = pytest.mark.xdist_group("test_user_facing")  # its module fixtures are built once, on one worker
+
 REPO = Path(__file__).resolve().parents[1]
 
 
