@@ -30,7 +30,7 @@ def main():
             name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
             rows.append((float(case.get("time", 0)), report.stem, name))
     wall = time.time() - args.since
-    print(f"\n===== make test: {wall / 60:.0f} min {wall % 60:02.0f} s wall =====")
+    print(f"\n===== make test: {int(wall // 60)} min {int(wall % 60):02d} s wall =====")
     for leg in legs:
         print("  " + leg)
     print(f"the {args.top} slowest tests (seconds, setup + call + teardown):")
