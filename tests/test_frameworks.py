@@ -38,6 +38,33 @@ def torchrun(script: str, out: Path, *args: str, env=None, timeout: int = 600):
     return ranks, proc
 
 
+def torchrun_runs(script: str, runs, env=None, timeout: int = 600):
+    """Several runs of ``script`` in one launch (tests/scripts/several.py): ``runs`` maps a name to
+    ``(out, args...)``; the result maps each name to its ranks' records.  The imports are most of a launch here
+    (about 4 of its 5 s of CPU per rank), so the runs of a test share one launch: 21 launches became 8."""
+    argv = []
+    for out, *args in runs.values():
+        out.mkdir(parents=True, exist_ok=True)
+        if "--report" in args:
+            Path(args[args.index("--report") + 1]).mkdir(parents=True, exist_ok=True)
+        argv.append(["--out", str(out), *args])
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions"),
+                **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(SCRIPTS / "several.py"), script, json.dumps(argv)], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    results = {}
+    for name, (out, *args) in runs.items():
+        report = Path(args[args.index("--report") + 1]) if "--report" in args else out
+        results[name] = []
+        for r in range(2):
+            f = report / f"rank{r}.json"
+            assert f.exists(), (f"{script} {name} {args}: rank {r} wrote nothing (rc {proc.returncode}):\n"
+                                + proc.stderr[-3000:])
+            results[name].append(json.loads(f.read_text()))
+    return results
+
+
 def identical(ranks, steps):
     a, b = ranks
     assert "error" not in a and "error" not in b, (a.get("error"), b.get("error"))
@@ -70,34 +97,60 @@ def without_commhooks_state(checkpoint: Path, to: Path) -> None:
 CPU = {"ACCELERATE_USE_CPU": "1"}
 
 
-def test_accelerate(tmp_path):
-    ab, _ = torchrun("accelerate_run.py", tmp_path / "ab", "--hook", "ab", "--accum", "2", "--save-at", "6", env=CPU)
-    plain, _ = torchrun("accelerate_run.py", tmp_path / "plain", "--hook", "ab", "--accum", "2", "--plain", env=CPU)
-    assert identical(ab, 12) == identical(plain, 12)  # the Accelerate loop is the plain DDP loop
-    # accelerator.load_state right after prepare, before register (where Hugging Face's examples put it)
-    resumed, _ = torchrun("accelerate_run.py", tmp_path / "resumed", "--hook", "ab", "--accum", "2", "--resume-from",
-                          str(tmp_path / "ab" / "ckpt"), "--load-before-register", env=CPU)
-    assert identical(resumed, 12) == identical(ab, 12)  # bit-exact from accelerator.load_state
-    # the folder holding another run's per-rank state of the same step (copied by hand): refused, naming both
-    other, _ = torchrun("accelerate_run.py", tmp_path / "other", "--hook", "ab", "--accum", "2", "--save-at", "6",
-                        "--data-offset", "1", env=CPU)
-    assert "error" not in other[0], other[0]
-    without_commhooks_state(tmp_path / "ab" / "ckpt", tmp_path / "foreign")
-    shutil.copytree(tmp_path / "other" / "ckpt" / "commhooks", tmp_path / "foreign" / "commhooks")
-    foreign, _ = torchrun("accelerate_run.py", tmp_path / "foreign-run", "--hook", "ab", "--accum", "2",
-                          "--resume-from", str(tmp_path / "foreign"), "--load-before-register", env=CPU)
-    foreign_everywhere(foreign, "Accelerate")
-    without_commhooks_state(tmp_path / "ab" / "ckpt", tmp_path / "bare")
-    refused, _ = torchrun("accelerate_run.py", tmp_path / "refused", "--hook", "ab", "--accum", "2", "--resume-from",
-                          str(tmp_path / "bare"), env=CPU)
-    refused_everywhere(refused, "Accelerate")
-    qsr, _ = torchrun("accelerate_run.py", tmp_path / "qsr", "--hook", "qsr", "--bf16", "--save-every", "3", env=CPU)
-    identical(qsr, 12)  # saved into one folder 4 times: one per-rank checkpoint there, the newest
-    assert per_rank_steps(tmp_path / "qsr" / "ckpt") == ["commhooks/step-00000012"]
-    nan, _ = torchrun("accelerate_run.py", tmp_path / "nan", "--hook", "qsr", "--nan-at", "4", env=CPU)
-    nan_named_everywhere(nan, 4)
-    none, _ = torchrun("accelerate_run.py", tmp_path / "none", "--hook", "none", "--steps", "4", "--save-at", "2",
-                       env=CPU)  # {"type": "none"}: the same loop (with state:, save_state) on Accelerate's own DDP
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory):
+    """Every Accelerate run of this module, in two launches: AB with accumulation 2 saved at step 6 and the same on
+    other data; then, from their checkpoints, the plain DDP loop, the resumes (bit-exact, foreign, bare), QSR in
+    bf16, a NaN and Accelerate's own DDP."""
+    root = tmp_path_factory.mktemp("accelerate")
+    ab = ("--hook", "ab", "--accum", "2")
+    runs = torchrun_runs("accelerate_run.py", {"ab": (root / "ab", *ab, "--save-at", "6"),
+                                              "other": (root / "other", *ab, "--save-at", "6", "--data-offset", "1")},
+                         env=CPU)
+    # the folder holding another run's per-rank state of the same step (copied by hand), and one without any
+    without_commhooks_state(root / "ab" / "ckpt", root / "foreign")
+    shutil.copytree(root / "other" / "ckpt" / "commhooks", root / "foreign" / "commhooks")
+    without_commhooks_state(root / "ab" / "ckpt", root / "bare")
+    runs.update(torchrun_runs("accelerate_run.py", {
+        "plain": (root / "plain", *ab, "--plain"),
+        # accelerator.load_state right after prepare, before register (where Hugging Face's examples put it)
+        "resumed": (root / "resumed", *ab, "--resume-from", str(root / "ab" / "ckpt"), "--load-before-register"),
+        "foreign": (root / "foreign-run", *ab, "--resume-from", str(root / "foreign"), "--load-before-register"),
+        "refused": (root / "refused", *ab, "--resume-from", str(root / "bare")),
+        "qsr": (root / "qsr", "--hook", "qsr", "--bf16", "--save-every", "3"),
+        "nan": (root / "nan", "--hook", "qsr", "--nan-at", "4"),
+        # {"type": "none"}: the same loop (with state:, save_state) on Accelerate's own DDP
+        "none": (root / "none", "--hook", "none", "--steps", "4", "--save-at", "2")}, env=CPU))
+    return root, runs
+
+
+@pytest.mark.xdist_group("accelerate")
+def test_accelerate_is_the_plain_ddp_loop_and_resumes_bit_exact(accelerate_runs):
+    _, runs = accelerate_runs
+    assert identical(runs["ab"], 12) == identical(runs["plain"], 12)  # the Accelerate loop is the plain DDP loop
+    assert identical(runs["resumed"], 12) == identical(runs["ab"], 12)  # bit-exact from accelerator.load_state
+
+
+@pytest.mark.xdist_group("accelerate")
+def test_accelerate_refuses_a_foreign_or_missing_per_rank_state(accelerate_runs):
+    _, runs = accelerate_runs
+    assert "error" not in runs["other"][0], runs["other"][0]
+    foreign_everywhere(runs["foreign"], "Accelerate")  # another run's per-rank state: refused, naming both
+    refused_everywhere(runs["refused"], "Accelerate")
+
+
+@pytest.mark.xdist_group("accelerate")
+def test_accelerate_qsr_bf16_keeps_the_newest_per_rank_checkpoint(accelerate_runs):
+    root, runs = accelerate_runs
+    identical(runs["qsr"], 12)  # saved into one folder 4 times: one per-rank checkpoint there, the newest
+    assert per_rank_steps(root / "qsr" / "ckpt") == ["commhooks/step-00000012"]
+
+
+@pytest.mark.xdist_group("accelerate")
+def test_accelerate_names_a_nan_and_runs_its_own_ddp_metered(accelerate_runs):
+    _, runs = accelerate_runs
+    nan_named_everywhere(runs["nan"], 4)
+    none = runs["none"]
     assert "error" not in none[0] and "error" not in none[1] and none[0]["checksum"] == none[1]["checksum"], none
 
 
@@ -117,41 +170,59 @@ def per_rank_steps(root: Path) -> list:
     return sorted(str(p.relative_to(root)) for p in root.rglob("step-*") if p.is_dir() and "commhooks" in p.parts)
 
 
-def test_transformers_trainer(tmp_path):
-    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
-    qsr, _ = torchrun("hf_trainer.py", a_dir, "--hook", "qsr", "--save-steps", "6", env=CPU)
-    straight = identical(qsr, 12)
-    assert qsr[0]["warmup"] == 4 and qsr[0]["total"] == 12, qsr[0]  # filled from the Trainer's arguments
-    # resume_from_checkpoint=PATH with another output_dir: the per-rank state comes from PATH, not output_dir
-    resumed, _ = torchrun("hf_trainer.py", tmp_path / "elsewhere", "--hook", "qsr", "--save-steps", "6",
-                          "--resume-from", str(a_dir / "checkpoint-6"), env=CPU)
-    assert identical(resumed, 12) == straight  # bit-exact from the Trainer's own checkpoint
-    # run B (other data) resumed while its output_dir holds run A's checkpoint-6: B's own state, exactly
-    b, _ = torchrun("hf_trainer.py", b_dir, "--hook", "qsr", "--save-steps", "6", "--data-offset", "100", env=CPU)
-    straight_b = identical(b, 12)
-    assert straight_b != straight
-    b_in_a, _ = torchrun("hf_trainer.py", tmp_path / "a-again", "--hook", "qsr", "--data-offset", "100",
-                         "--resume-from", str(b_dir / "checkpoint-6"), env=CPU)
-    assert identical(b_in_a, 12) == straight_b
-    # B's checkpoint holding A's per-rank state (folders copied by hand): refused on every rank, naming both
-    foreign = tmp_path / "foreign" / "checkpoint-6"
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    """Every Trainer run of this module but DeepSpeed's, in two launches: QSR saving every 6 steps (run A) and on
+    other data (run B); then the resumes from their checkpoints (bit-exact, foreign, bare), AB in bf16 keeping one
+    checkpoint, and a NaN."""
+    root = tmp_path_factory.mktemp("trainer")
+    a_dir, b_dir = root / "a", root / "b"
+    qsr = ("--hook", "qsr")
+    runs = torchrun_runs("hf_trainer.py", {"a": (a_dir, *qsr, "--save-steps", "6"),
+                                          "b": (b_dir, *qsr, "--save-steps", "6", "--data-offset", "100")}, env=CPU)
+    # B's checkpoint holding A's per-rank state (folders copied by hand), and A's without any
+    foreign = root / "foreign" / "checkpoint-6"
     without_commhooks_state(b_dir / "checkpoint-6", foreign)
     shutil.copytree(a_dir / "checkpoint-6" / "commhooks", foreign / "commhooks")
-    refused, _ = torchrun("hf_trainer.py", tmp_path / "foreign-run", "--hook", "qsr", "--data-offset", "100",
-                          "--resume-from", str(foreign), env=CPU)
-    foreign_everywhere(refused, "Trainer")
-    bare = tmp_path / "bare"
+    bare = root / "bare"
     bare.mkdir()
     without_commhooks_state(a_dir / "checkpoint-6", bare / "checkpoint-6")
-    refused, _ = torchrun("hf_trainer.py", bare, "--hook", "qsr", "--save-steps", "6", "--resume", env=CPU)
-    refused_everywhere(refused, "Trainer")
-    # save_total_limit=1: the Trainer keeps one checkpoint, and the per-rank state inside it goes with the others
-    ab, _ = torchrun("hf_trainer.py", tmp_path / "ab", "--hook", "ab", "--accum", "2", "--bf16", "--save-steps", "4",
-                     "--save-total-limit", "1", env=CPU)
-    identical(ab, 12)
-    assert per_rank_steps(tmp_path / "ab") == ["checkpoint-12/commhooks/step-00000012"]
-    nan, _ = torchrun("hf_trainer.py", tmp_path / "nan", "--hook", "qsr", "--accum", "2", "--nan-at", "5", env=CPU)
-    nan_named_everywhere(nan, 5)
+    runs.update(torchrun_runs("hf_trainer.py", {
+        # resume_from_checkpoint=PATH with another output_dir: the per-rank state comes from PATH, not output_dir
+        "resumed": (root / "elsewhere", *qsr, "--save-steps", "6", "--resume-from", str(a_dir / "checkpoint-6")),
+        # run B (other data) resumed while its output_dir holds run A's checkpoint-6: B's own state, exactly
+        "b_in_a": (root / "a-again", *qsr, "--data-offset", "100", "--resume-from", str(b_dir / "checkpoint-6")),
+        "foreign": (root / "foreign-run", *qsr, "--data-offset", "100", "--resume-from", str(foreign)),
+        "bare": (bare, *qsr, "--save-steps", "6", "--resume"),
+        # save_total_limit=1: the Trainer keeps one checkpoint, and the per-rank state inside it goes with the others
+        "ab": (root / "ab", "--hook", "ab", "--accum", "2", "--bf16", "--save-steps", "4", "--save-total-limit", "1"),
+        "nan": (root / "nan", *qsr, "--accum", "2", "--nan-at", "5")}, env=CPU))
+    return root, runs
+
+
+@pytest.mark.xdist_group("trainer")
+def test_transformers_trainer_resumes_bit_exact_from_the_named_checkpoint(trainer_runs):
+    _, runs = trainer_runs
+    straight, straight_b = identical(runs["a"], 12), identical(runs["b"], 12)
+    assert runs["a"][0]["warmup"] == 4 and runs["a"][0]["total"] == 12, runs["a"][0]  # from the Trainer's arguments
+    assert straight_b != straight
+    assert identical(runs["resumed"], 12) == straight  # bit-exact from the Trainer's own checkpoint
+    assert identical(runs["b_in_a"], 12) == straight_b
+
+
+@pytest.mark.xdist_group("trainer")
+def test_transformers_trainer_refuses_a_foreign_or_missing_per_rank_state(trainer_runs):
+    _, runs = trainer_runs
+    foreign_everywhere(runs["foreign"], "Trainer")  # refused on every rank, naming both
+    refused_everywhere(runs["bare"], "Trainer")
+
+
+@pytest.mark.xdist_group("trainer")
+def test_transformers_trainer_ab_bf16_keeps_one_checkpoint_and_names_a_nan(trainer_runs):
+    root, runs = trainer_runs
+    identical(runs["ab"], 12)
+    assert per_rank_steps(root / "ab") == ["checkpoint-12/commhooks/step-00000012"]
+    nan_named_everywhere(runs["nan"], 5)
 
 
 def test_transformers_trainer_with_deepspeed_bf16_zero2(tmp_path):
@@ -178,21 +249,44 @@ def test_transformers_trainer_with_deepspeed_bf16_zero2(tmp_path):
 # --------------------------------------------------------------------------
 
 
-def test_lightning(tmp_path):
-    ckdir = tmp_path / "ab" / "ckpt"
-    ab, _ = torchrun("lightning_run.py", tmp_path / "ab", "--hook", "ab", "--save-every", "6")
-    straight = identical(ab, 12)
-    assert ab[0]["warmup"] == 3  # AB's own phase warm-up, as configured (QSR's rule warm-up is filled below)
-    # a second run in the same folder (other data): Lightning saves its checkpoints as -v1, and its per-rank
-    # state goes to a run folder of its own
-    other, _ = torchrun("lightning_run.py", tmp_path / "ab", "--hook", "ab", "--save-every", "6",
-                        "--data-offset", "100")
-    assert identical(other, 12) != straight
-    assert (ckdir / "epoch=0-step=6-v1.ckpt").is_file()
+AB_EVERY_6 = ("--hook", "ab", "--save-every", "6")
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory):
+    """Every Lightning run of this module, in one launch: AB saving every 6 steps, a second run in the same folder
+    on other data (Lightning saves its checkpoints as -v1, and its per-rank state goes to a run folder of its own),
+    the resume from the first run's .ckpt, QSR in bf16 keeping one checkpoint, and a NaN.  The refusals (which
+    change the first run's files) launch again in their test."""
+    root = tmp_path_factory.mktemp("lightning")
+    ab = AB_EVERY_6
+    runs = torchrun_runs("lightning_run.py", {
+        "ab": (root / "ab", *ab),
+        "other": (root / "ab", *ab, "--data-offset", "100", "--report", str(root / "other-report")),
+        "resumed": (root / "resumed", *ab, "--resume", str(root / "ab" / "ckpt" / "epoch=0-step=6.ckpt")),
+        # save_top_k=1: one .ckpt kept, and one per-rank checkpoint; the rule's warm-up from the lr scheduler
+        "qsr": (root / "qsr", "--hook", "qsr", "--accum", "2", "--bf16", "--save-every", "2", "--save-top-k", "1"),
+        "nan": (root / "nan", "--hook", "qsr", "--nan-at", "4")})
+    return root, runs
+
+
+@pytest.mark.xdist_group("lightning")
+def test_lightning_resumes_bit_exact(lightning_runs):
+    root, runs = lightning_runs
+    straight = identical(runs["ab"], 12)
+    assert runs["ab"][0]["warmup"] == 3  # AB's own phase warm-up, as configured (QSR's rule warm-up is filled below)
+    assert identical(runs["other"], 12) != straight
+    assert (root / "ab" / "ckpt" / "epoch=0-step=6-v1.ckpt").is_file()
+    assert identical(runs["resumed"], 12) == straight  # bit-exact from Lightning's own checkpoint (an epoch's end)
+
+
+@pytest.mark.xdist_group("lightning")
+def test_lightning_refuses_a_foreign_or_missing_per_rank_state(lightning_runs):
+    """Two launches of their own: between them the first run's per-rank state (the folder its .ckpt names) is
+    replaced, then removed."""
+    root, _ = lightning_runs
+    ckdir = root / "ab" / "ckpt"
     ckpt = ckdir / "epoch=0-step=6.ckpt"
-    resumed, _ = torchrun("lightning_run.py", tmp_path / "resumed", "--hook", "ab", "--save-every", "6",
-                          "--resume", str(ckpt))
-    assert identical(resumed, 12) == straight  # bit-exact from Lightning's own checkpoint (an epoch's end)
     # the folder the first run's .ckpt names, holding the second run's files: refused, naming it
     import torch
 
@@ -201,25 +295,26 @@ def test_lightning(tmp_path):
     assert named != theirs
     shutil.rmtree(Path(named) / "step-00000006")
     shutil.copytree(Path(theirs) / "step-00000006", Path(named) / "step-00000006")
-    foreign, _ = torchrun("lightning_run.py", tmp_path / "foreign", "--hook", "ab", "--save-every", "6",
-                          "--resume", str(ckpt))
-    foreign_everywhere(foreign, "Lightning")
-    assert named in foreign[0]["error"], foreign[0]["error"]
+    foreign_dir, refused_dir = root / "foreign", root / "refused"
+    foreign = torchrun_runs("lightning_run.py", {"foreign": (foreign_dir, *AB_EVERY_6, "--resume", str(ckpt))})
+    foreign_everywhere(foreign["foreign"], "Lightning")
+    assert named in foreign["foreign"][0]["error"], foreign["foreign"][0]["error"]
     shutil.rmtree(ckdir / "commhooks")  # Lightning's file names where they were: gone
-    refused, _ = torchrun("lightning_run.py", tmp_path / "refused", "--hook", "ab", "--save-every", "6",
-                          "--resume", str(ckpt))
-    refused_everywhere(refused, "Lightning")
-    assert named in refused[0]["error"], refused[0]["error"]  # the folder the .ckpt recorded
-    # save_top_k=1: one .ckpt kept, and one per-rank checkpoint; the rule's warm-up from the lr scheduler
-    qsr, _ = torchrun("lightning_run.py", tmp_path / "qsr", "--hook", "qsr", "--accum", "2", "--bf16",
-                      "--save-every", "2", "--save-top-k", "1")
-    identical(qsr, 12)
-    assert qsr[0]["warmup"] == 4, qsr[0]
-    kept = [p.name for p in (tmp_path / "qsr" / "ckpt").glob("*.ckpt")]
+    refused = torchrun_runs("lightning_run.py", {"refused": (refused_dir, *AB_EVERY_6, "--resume", str(ckpt))})
+    refused_everywhere(refused["refused"], "Lightning")
+    assert named in refused["refused"][0]["error"], refused["refused"][0]["error"]  # the folder the .ckpt recorded
+
+
+
+@pytest.mark.xdist_group("lightning")
+def test_lightning_qsr_keeps_one_checkpoint_and_names_a_nan(lightning_runs):
+    root, runs = lightning_runs
+    identical(runs["qsr"], 12)
+    assert runs["qsr"][0]["warmup"] == 4, runs["qsr"][0]
+    kept = [p.name for p in (root / "qsr" / "ckpt").glob("*.ckpt")]
     assert len(kept) == 1 and kept[0].endswith("step=12.ckpt"), kept
-    assert [Path(p).name for p in per_rank_steps(tmp_path / "qsr" / "ckpt")] == ["step-00000012"]
-    nan, _ = torchrun("lightning_run.py", tmp_path / "nan", "--hook", "qsr", "--nan-at", "4")
-    nan_named_everywhere(nan, 4)
+    assert [Path(p).name for p in per_rank_steps(root / "qsr" / "ckpt")] == ["step-00000012"]
+    nan_named_everywhere(runs["nan"], 4)
 
 
 FRAMEWORK_BASE = {  # what an integration must import of its framework: nothing more may come with it

@@ -2,7 +2,7 @@
 tokens, DDP on 2 CPU ranks under torchrun.
 
     torchrun --nproc_per_node 2 tests/scripts/lightning_run.py --out DIR --hook qsr [--accum 2] [--max-steps N]
-        [--save-every K] [--resume CKPT] [--nan-at K] [--bf16]
+        [--save-every K] [--resume CKPT] [--nan-at K] [--bf16] [--report DIR]
 
 Each rank writes DIR/rank<r>.json: its parameter checksum, the hook's step and syncs, the error if any.
 """
@@ -21,6 +21,7 @@ p = parser()
 p.add_argument("--save-every", type=int, default=0)
 p.add_argument("--resume")
 p.add_argument("--save-top-k", type=int, default=-1)
+p.add_argument("--report", help="the folder of this rank's JSON (default --out; two runs may share an --out)")
 args = p.parse_args()
 
 CONFIGS = configs()  # the callback fills total_steps from max_steps
@@ -86,5 +87,5 @@ state = hook.state
 result.update(rank=rank, checksum=float(sum(p.detach().double().sum() for p in model.parameters())),
               step=None if state is None else state.step, syncs=None if state is None else state.syncs,
               warmup=None if state is None else getattr(state.config, "warmup_steps", None))
-with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fd:
+with open(os.path.join(args.report or args.out, f"rank{rank}.json"), "w") as fd:
     json.dump(result, fd)
