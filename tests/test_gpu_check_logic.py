@@ -16,6 +16,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 BUNDLE = REPO / ".cache" / "gpu-bundle"
 GPUS_PAGE = REPO / "docs" / "pages" / "operations" / "gpus.md"
@@ -35,27 +37,50 @@ def _check(env, *args, timeout=900):
                           text=True, timeout=timeout, env={**os.environ, **env})
 
 
-def test_gpu_check_runs_its_logic_on_the_cpu(tmp_path):
-    proc = _check({"COMMHOOKS_GPU_CHECK_ON_CPU": "1", "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")},
-                  str(tmp_path))
+# the files of tests/gpu in three runs of the script (each under a minute here, on the suite's two workers), with
+# the checks each run's files record; together every file and every check the whole run had
+GPU_FILE_RUNS = {
+    "ranks": (["test_gpu_ranks.py"],
+              {"two ranks on one device (gloo) vs CPU", "three ranks, int2 two-step exchange (gloo) vs CPU",
+               "four ranks, replica groups, hierarchical (gloo) vs CPU",
+               "GradScaler (torch.bfloat16) with an Inf on rank 1 (gloo)"}),
+    "nccl-checkpoint-syncs": (["test_gpu_nccl.py", "test_gpu_checkpoint.py", "test_gpu_syncs.py"],
+                              {"three ranks, every collective (gloo)", "host syncs per step (commhooks code)",
+                               "checkpoint round trip ab-mid-phase", "checkpoint round trip qsr-mid-overlap"}),
+    "memory-deepspeed": (["test_gpu_memory.py", "test_gpu_deepspeed.py"],
+                         {"memory per feature (x bf16 weight bytes)", "DeepSpeed bf16-zero2"}),
+}
+
+
+def test_the_file_runs_cover_every_gpu_file_and_the_script_runs_them_all_by_default():
+    """The parametrised runs below take every file of tests/gpu once; the script itself, given no GPU_CHECK_FILES,
+    runs every file it has a time limit for, and it has one for each file of tests/gpu."""
+    on_disk = {p.name for p in (REPO / "tests" / "gpu").glob("test_*.py")}
+    chosen = [f for files, _ in GPU_FILE_RUNS.values() for f in files]
+    assert sorted(chosen) == sorted(on_disk), (chosen, on_disk)
+    limits = re.search(r'^LIMITS="([^"]*)"', (REPO / ".ci" / "gpu-check.sh").read_text(), re.M).group(1)
+    assert {e.split(":")[0] for e in limits.split()} == on_disk, limits
+
+
+@pytest.mark.parametrize("run", list(GPU_FILE_RUNS))
+def test_gpu_check_runs_its_logic_on_the_cpu(run, tmp_path):
+    files, expected_checks = GPU_FILE_RUNS[run]
+    proc = _check({"COMMHOOKS_GPU_CHECK_ON_CPU": "1", "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions"),
+                   "GPU_CHECK_FILES": " ".join(files)}, str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.stdout.startswith("gpu-check: python"), proc.stdout[:300]  # the versions come first
     summary = json.loads((tmp_path / "summary.json").read_text())
-    files = summary["files"]
-    assert set(files) == {p.name for p in (REPO / "tests" / "gpu").glob("test_*.py")}, files
-    for name, row in files.items():
+    ran = summary["files"]
+    assert set(ran) == set(files), ran
+    for name, row in ran.items():
         assert row["failed"] == 0 and not row["timed_out"] and row["passed"] >= 1, (name, row)
-    # fp16 with FusedAdam cannot run on the CPU: reported as a skip with its reason, never silently
-    assert files["test_gpu_deepspeed.py"]["skipped"] == 2, files["test_gpu_deepspeed.py"]
-    assert all("needs CUDA" in r for r in files["test_gpu_deepspeed.py"]["skip_reasons"])
+    if "test_gpu_deepspeed.py" in ran:  # fp16 with FusedAdam cannot run on the CPU: a skip with its reason, never silent
+        assert ran["test_gpu_deepspeed.py"]["skipped"] == 2, ran["test_gpu_deepspeed.py"]
+        assert all("needs CUDA" in r for r in ran["test_gpu_deepspeed.py"]["skip_reasons"])
     rows = summary["figures"]
     assert rows and all(r["target"].startswith("CPU MODE") for r in rows), rows
     checks = {r["check"] for r in rows}
-    assert {"two ranks on one device (gloo) vs CPU", "three ranks, int2 two-step exchange (gloo) vs CPU",
-            "four ranks, replica groups, hierarchical (gloo) vs CPU", "three ranks, every collective (gloo)",
-            "GradScaler (torch.bfloat16) with an Inf on rank 1 (gloo)", "host syncs per step (commhooks code)",
-            "memory per feature (x bf16 weight bytes)", "DeepSpeed bf16-zero2",
-            "checkpoint round trip ab-mid-phase", "checkpoint round trip qsr-mid-overlap"} <= checks, checks
+    assert expected_checks <= checks, checks
 
 
 def test_without_cuda_it_says_so_and_exits_0(tmp_path):
