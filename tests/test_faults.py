@@ -72,7 +72,6 @@ def complete_checkpoints(root: Path):
     return found
 
 
-@pytest.mark.serial  # kills and restarts on a schedule of steps
 def test_killed_three_times_once_while_saving_ends_bit_identical(tmp_path):
     ref = torchrun(tmp_path, "reference", [])
     assert ref.returncode == 0, ref.stderr[-3000:]
