@@ -40,6 +40,58 @@ def test_quick_bench_has_every_field_for_every_method(tmp_path):
     for f in ("table.md", "accuracy_vs_bytes.png", "time_vs_bandwidth.png"):
         assert (tmp_path / f).stat().st_size > 0
     assert "| ab-x-qsr |" in (tmp_path / "table.md").read_text()
+    # the protocol's record (DESIGN section 18): the commit, the pinning, the load; per method its config's hash,
+    # how a repeat's pace was taken, and the paired ratios (one repeat here: said so in the table)
+    setup = results["setup"]
+    assert len(setup["commit"]) == 40 and isinstance(setup["dirty"], bool), setup
+    assert setup["pinned"] is True and set(setup["load"]) == {"unlimited"}, setup  # 2 ranks on 2 cores
+    assert results["methods"]["compute-only"]["pace"].startswith("mean of ranks")
+    assert results["methods"]["ddp"]["pace"] == "slowest rank"
+    for name, m in results["methods"].items():
+        assert len(m["config_sha256"]) == 16 and len(m["step_ms_repeats_by_rank"]["unlimited"]) == 2, name
+        paired = m["ratios"]["unlimited"]
+        if name != "compute-only":
+            assert paired["vs compute-only"]["repeats"] == 1, name
+        assert (paired["ddp over this"] is None) == (name == "ddp"), name  # a baseline is not divided by itself
+    assert "(1 repeat)" in (tmp_path / "table.md").read_text()
+
+
+def test_repeats_give_paired_ratios_with_an_interval(tmp_path):
+    """Three interleaved repeats: each method's pace per repeat, its ratio to compute-only's pace of the same
+    repeat, and the median's interval in the table (resolved or not: 20 steps resolve nothing reliably)."""
+    results, _, _ = bench(["--quick", "--repeats", "3", "--methods", "compute-only,qsr"], tmp_path, timeout=300)
+    floor, qsr = results["methods"]["compute-only"], results["methods"]["qsr"]
+    for m in (floor, qsr):
+        by_rank = m["step_ms_repeats_by_rank"]["unlimited"]
+        assert len(by_rank) == 2 and all(len(times) == 3 for times in by_rank), by_rank
+    paces = floor["step_ms_paces"]["unlimited"]
+    assert paces == [sum(r[k] for r in floor["step_ms_repeats_by_rank"]["unlimited"]) / 2 for k in range(3)]
+    assert qsr["step_ms_paces"]["unlimited"] == [max(r[k] for r in qsr["step_ms_repeats_by_rank"]["unlimited"])
+                                                 for k in range(3)]
+    ratio = qsr["ratios"]["unlimited"]["vs compute-only"]
+    assert ratio["ratios"] == pytest.approx([q / f for q, f in zip(qsr["step_ms_paces"]["unlimited"], paces)])
+    assert ratio["lo"] <= ratio["median"] <= ratio["hi"] and ratio["repeats"] == 3
+    row = next(line for line in (tmp_path / "table.md").read_text().splitlines() if line.startswith("| qsr |"))
+    assert f"{ratio['median']:.2f}x [{ratio['lo']:.2f}-{ratio['hi']:.2f}]" in row, row
+    assert ("not resolved" in row) == (ratio["lo"] <= 1.0 <= ratio["hi"]), row
+
+
+def test_a_ratio_is_resolved_only_when_its_interval_clears_one_and_the_target():
+    """The 2026-12-06 record: the shipped MNIST-1D winner's per-repeat ratios ran from 0.85x to 1.39x, and its
+    table said 1.03x.  Under the protocol that is 'not resolved'; tight repeats above 1 resolve, unless the
+    interval holds the target too."""
+    from commhooks.tools import timing
+
+    spread = timing.paired_ratio([0.85, 1.03, 1.39, 0.95, 1.20], [1.0] * 5)
+    assert not spread["resolved"] and spread["median"] == 1.03
+    assert timing.describe(spread) == "1.03x [0.85-1.39] not resolved"
+    tight = timing.paired_ratio([1.045, 1.023, 1.047, 1.04, 1.05], [1.0] * 5)
+    assert tight["resolved"] and 1.0 < tight["lo"] <= tight["median"] <= tight["hi"] <= 1.05
+    assert not timing.paired_ratio([1.045, 1.023, 1.047, 1.04, 1.05], [1.0] * 5, targets=(1.0, 1.04))["resolved"]
+    assert timing.pace([4.62, 7.10], independent=True) == pytest.approx(5.86)  # ranks that never wait: the mean
+    assert timing.pace([4.62, 7.10], independent=False) == 7.10  # ranks that sync: the slowest
+    with pytest.raises(ValueError, match="paired repeats differ"):
+        timing.paired_ratio([1.0, 2.0], [1.0])
 
 
 def test_seeds_give_each_method_its_quality_per_seed_and_the_mean(tmp_path):
@@ -94,6 +146,7 @@ def test_comparison_rules_sync_at_least_as_often_as_qsr(model, steps, suffix):
     assert constant > qsr and qsr <= power1 <= 1.1 * qsr, (qsr, constant, power1)
 
 
+@pytest.mark.xdist_group("netns")  # each checks what namespaces are left: one at a time
 def test_network_namespaces_and_tc(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (CI runs as root)")
@@ -112,6 +165,7 @@ def test_network_namespaces_and_tc(tmp_path):
     assert "-hub" not in leftover, f"namespaces left behind: {leftover}"
 
 
+@pytest.mark.xdist_group("netns")  # each checks what namespaces are left: one at a time
 def test_nodes_share_one_link(tmp_path):
     """--nodes 2 with 4 ranks: the two ranks of a node share one namespace and one veth (they read the same
     counter), and their traffic to each other stays off it."""
@@ -146,6 +200,7 @@ def _lab_leftovers(pid, out):
             + [n for n in links.split() if f"chb{pid}" in n], workers)
 
 
+@pytest.mark.xdist_group("netns")  # each checks what namespaces are left: one at a time
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT to the process group"])
 def test_bench_cleans_up_on_a_signal(how, tmp_path):
     if os.geteuid() != 0:
@@ -189,6 +244,7 @@ def test_bench_cleans_up_on_a_signal(how, tmp_path):
         shutil.rmtree(out, ignore_errors=True)
 
 
+@pytest.mark.xdist_group("netns")  # each checks what namespaces are left: one at a time
 def test_bench_removes_a_dead_runs_namespaces_but_not_a_live_ones(tmp_path):
     if os.geteuid() != 0:
         pytest.fail("network namespaces need root; CI runs as root")

@@ -41,7 +41,8 @@ def torchrun(script: str, out: Path, *args: str, env=None, timeout: int = 600):
 def torchrun_runs(script: str, runs, env=None, timeout: int = 600):
     """Several runs of ``script`` in one launch (tests/scripts/several.py): ``runs`` maps a name to
     ``(out, args...)``; the result maps each name to its ranks' records.  The imports are most of a launch here
-    (about 4 of its 5 s of CPU per rank), so the runs of a test share one launch: 21 launches became 8."""
+    (about 4 of its 5 s of CPU per rank), so the runs of a module share a launch or two: the 24 launches of
+    Accelerate's, the Trainer's and Lightning's tests became 7."""
     argv = []
     for out, *args in runs.values():
         out.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ Output in ``--out``: ``results.json``, ``table.md``, ``accuracy_vs_bytes.png``,
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -35,6 +36,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..launch import free_port
 from ..shipped import shipped_configs
+from . import timing
 from .anchors import ANCHORS
 from .workloads import WORKLOADS
 
@@ -293,6 +295,8 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
                    COMMHOOKS_CACHE=str(Path(args.cache_dir).resolve()))
         for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "COMMHOOKS_WIRE_IFACE"):
             env.pop(k, None)
+        if pinned(args):  # one core a rank: the spread between ranks of a method that never waits shrinks
+            env["COMMHOOKS_BENCH_CORE"] = str(r)
         cmd = [sys.executable, "-m", "commhooks.tools.bench", "--worker", str(spec_file)]
         if lab:
             env.update(MASTER_ADDR=lab.addr(0), LOCAL_RANK=str(r % lab.per_node), LOCAL_WORLD_SIZE=str(lab.per_node),
@@ -320,13 +324,23 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
         stop_workers(procs)
     sys.stdout.write(logs[0].read_text())
     found = {}
-    for name in methods:  # the first run's summary; its step time the median of the repeats (a busy VM's noise)
+    for name in methods:  # the first run's summary; per rank, each repeat's steady-state step time, in run order
         ranks = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(args.ranks)]
         for r, summary in enumerate(ranks):
-            times = [json.loads((out / f"{run}.rank{r}.json").read_text())["step_ms"] for run in runs_of[name]]
+            times = [steady(json.loads((out / f"{run}.rank{r}.json").read_text())) for run in runs_of[name]]
             summary["step_ms_repeats"], summary["step_ms"] = times, statistics.median(times)
         found[name] = ranks
     return found
+
+
+def steady(summary: dict) -> float:
+    """A run's step time in its steady-state window (after the first tenth of its steps), else over the run."""
+    return summary.get("steady_step_ms") or summary["step_ms"]
+
+
+def pinned(args) -> bool:
+    """Each rank pinned to a core of its own: on unless --pin off, where the ranks fit on the cores."""
+    return getattr(args, "pin", "auto") != "off" and args.ranks <= (os.cpu_count() or 1)
 
 
 def stop_workers(procs) -> None:
@@ -353,6 +367,9 @@ def worker(spec_file: str) -> int:
     from . import train
 
     spec = json.loads(Path(spec_file).read_text())
+    core = os.environ.get("COMMHOOKS_BENCH_CORE")
+    if core is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {int(core)})
     first = train.parse_args(next(iter(spec.values())))
     rank, world, mean_over_ranks, finish = train.start(first)
     for name, argv in spec.items():
@@ -390,10 +407,58 @@ def summarize(runs: Dict[str, List[dict]], per_node: int = 1) -> dict:
         "payload_bytes_per_rank": mean([r["payload_bytes_per_rank"] for r in first]),
         "meter_bytes_per_rank": mean([r["bytes_per_rank"] for r in first]),
         "wire_tx_bytes_per_rank": None if node_tx is None else node_tx / per_node,
-        "step_ms": {bw: max(r["step_ms"] for r in rs) for bw, rs in runs.items()},  # the slowest rank sets the pace
+        # per repeat the pace (timing.py: the ranks' mean where they never wait, else the slowest rank); the median
+        "step_ms": {bw: statistics.median(repeat_paces(rs)) for bw, rs in runs.items()},
+        "step_ms_paces": {bw: repeat_paces(rs) for bw, rs in runs.items()},
+        "step_ms_repeats_by_rank": {bw: [r.get("step_ms_repeats", [r["step_ms"]]) for r in rs]
+                                    for bw, rs in runs.items()},
+        "pace": "mean of ranks (they never wait)" if timing.never_waits(first) else "slowest rank",
         "syncs": first[0].get("syncs"),
         "config": first[0]["config"],
+        "config_sha256": hashlib.sha256(json.dumps(first[0]["config"], sort_keys=True).encode()).hexdigest()[:16],
     }
+
+
+def repeat_paces(ranks: List[dict]) -> List[float]:
+    """A method's pace in each repeat at one link setting, from its ranks' step times."""
+    return timing.paces([r.get("step_ms_repeats", [r["step_ms"]]) for r in ranks], timing.never_waits(ranks))
+
+
+def add_ratios(results: dict) -> None:
+    """Each method's paired ratios per link setting: its pace over compute-only's (the speed limit) and DDP's
+    over its (how much faster), repeat by repeat, with the median's 95 % interval (timing.py)."""
+    methods = results["methods"]
+    floor, ddp = methods.get("compute-only"), methods.get("ddp")
+    for m in methods.values():
+        if "step_ms_paces" not in m:
+            continue
+        m["ratios"] = {}
+        for bw, own in m["step_ms_paces"].items():  # a baseline against itself: None (the table's "-")
+            over_floor = floor is not None and floor is not m
+            under_ddp = ddp is not None and ddp is not m
+            m["ratios"][bw] = {
+                "vs compute-only": timing.paired_ratio(own, floor["step_ms_paces"][bw]) if over_floor else None,
+                "ddp over this": timing.paired_ratio(ddp["step_ms_paces"][bw], own) if under_ddp else None}
+
+
+def commit() -> dict:
+    """The commit the bench ran (and whether its tree had changes): a table divides figures of one commit."""
+    where = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": None, "dirty": None}
+    if head.returncode != 0:
+        return {"commit": None, "dirty": None}  # an installed package, not a checkout
+    return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+
+
+def machine_load(before: float, after: float, ranks: int) -> dict:
+    """The 1-minute load average around a link setting's runs: ``shared`` when it stayed above the bench's own
+    ranks (something else ran beside it, and its times are suspect)."""
+    return {"before": round(before, 2), "after": round(after, 2), "shared": before > 0.5 or after > ranks + 0.5}
 
 
 def cross_node_payload(by_group: Optional[Dict[str, int]], per_node: int) -> Optional[float]:
@@ -463,8 +528,13 @@ def table(results: dict) -> str:
                "-" if m["wire_tx_bytes_per_rank"] is None else f"{m['wire_tx_bytes_per_rank'] / 1e6:.2f} MB"]
         row += [f"{m['step_ms'][bw]:.2f}" for bw in bws]
         last, first = bws[-1], bws[0]
-        row.append(f"{m['step_ms'][last] / floor['step_ms'][last]:.2f}x" if floor else "-")
-        row.append(f"{ddp['step_ms'][last] / m['step_ms'][last]:.2f}x faster" if ddp else "-")
+        paired = m.get("ratios", {}).get(last)
+        if paired:  # a run under the paired protocol: the median ratio, its interval, resolved or not
+            row.append(timing.describe(paired["vs compute-only"]) if m is not floor else "1x")
+            row.append("-" if paired["ddp over this"] is None else timing.describe(paired["ddp over this"]) + " faster")
+        else:  # a run recorded before the protocol
+            row.append(f"{m['step_ms'][last] / floor['step_ms'][last]:.2f}x" if floor else "-")
+            row.append(f"{ddp['step_ms'][last] / m['step_ms'][last]:.2f}x faster" if ddp else "-")
         row.append(f"{m['step_ms'][first] / ddp['step_ms'][first]:.2f}" if ddp else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -556,7 +626,11 @@ def parse_args(argv=None):
                    help="comma list, e.g. 0,1,2: the first seed runs at every bandwidth; the others run once more "
                         "on an unlimited link for the quality column (the mean of the seeds)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="run each method this many times per link setting, interleaved; step time = the median")
+                   help="run each method this many times per link setting, interleaved: each repeat gives a paired "
+                        "ratio against compute-only and DDP, the table their median and 95 %% interval (and 'not "
+                        "resolved' where it holds 1.0)")
+    p.add_argument("--pin", choices=("auto", "off"), default="auto",
+                   help="auto: each rank pinned to a core of its own where the ranks fit on the cores (recorded)")
     p.add_argument("--bandwidths", default=",".join(BANDWIDTHS), help="comma list of tc rates (first: the accuracy run)")
     p.add_argument("--delay", default="1ms", help="netem delay added on limited links")
     p.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
@@ -646,13 +720,16 @@ def _run(args, out: Path) -> int:
                              "model": args.model, "engine": args.engine, "seed": args.seed, "seeds": args.seeds,
                              "repeats": args.repeats,
                              "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
-                             "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count()}, "methods": {}}
+                             "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), **commit(),
+                             "pinned": pinned(args), "load": {}}, "methods": {}}
         for bw in args.bandwidths:
             shaping = lab.shape(bw, args.delay) if lab else "none"
             results["setup"].setdefault("shaping", {})[bw] = shaping
             print(f"[bench] link {bw}: {shaping} ({network})", flush=True)
+            before = os.getloadavg()[0]
             for name, per_rank in run_bandwidth(args.methods, args, lab, out, args.timeout).items():
                 runs[name][bw] = per_rank
+            results["setup"]["load"][bw] = machine_load(before, os.getloadavg()[0], args.ranks)
         quality: Dict[str, Dict[int, float]] = {m: {} for m in args.methods}
         metric = WORKLOADS[args.model].metric
         for name in args.methods:
@@ -672,6 +749,7 @@ def _run(args, out: Path) -> int:
     for name in args.methods:
         results["methods"][name] = summarize(runs[name], per_node)
     add_seed_means(results, args.seeds, quality)
+    add_ratios(results)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     md = table(results)
     (out / "table.md").write_text(md + "\n")

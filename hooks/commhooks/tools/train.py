@@ -395,9 +395,14 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
     wire_before = iface_bytes(args.wire_iface)
     counter = PayloadCounter()
     start = time.perf_counter()
+    # the steady-state window: the steps after the first tenth (start-up, first syncs, allocator warm-up)
+    window_from = first_step + max(1, (args.steps - first_step) // 10)
+    window_start = window_end = None
     # every torch.distributed collective of the run, whoever issues it; `with state:` ends the run synced
     with counter, (state if isinstance(state, AlgorithmState) else contextlib.nullcontext()):
         for step in range(first_step, args.steps):
+            if step == window_from:
+                window_start = time.perf_counter()
             loss, lr = train_step([next(batches) for _ in range(accumulation)])
             losses.append(loss)
             del losses[:-50]  # the summary's train loss is the mean of the last 50
@@ -409,6 +414,7 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
                 progress.update(1)
                 if step % 50 == 0:
                     progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{lr:.4f}")
+        window_end = time.perf_counter()
         if checkpointer is not None:
             checkpointer.close()  # the last save is committed before the run ends
         progress_file.update(args.steps, force=True)
@@ -439,6 +445,9 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         if args.backend != "horovod" else None,
         "wire_bytes_per_rank": None if wire_before is None else {k: wire_after[k] - wire_before[k] for k in wire_before},
         "step_ms": round(1000 * wall / max(1, args.steps - first_step), 3),
+        # the steps after the first tenth only: what the bench's paired ratios compare (None: too short a run)
+        "steady_step_ms": None if window_start is None else
+        round(1000 * (window_end - window_start) / (args.steps - window_from), 3),
         "resumed_from": first_step,
         "params_checksum": float(sum(_whole(p).detach().double().sum() for p in model.parameters())),
         "params_sha256": params_sha256(model),  # equal only for bit-identical parameters

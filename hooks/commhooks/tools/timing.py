@@ -1,0 +1,77 @@
+"""Step-time ratios that resolve: paired repeats, a pace per repeat, and a bootstrap interval of the median.
+
+Why (DESIGN section 18): on this 2-core machine one method's repeats of compute-only spread 4.62-7.10 ms per
+step, and its two ranks' medians differed by 27 %.  A ratio from one repeat, or from the slowest of ranks that
+never wait for each other, can land anywhere from 0.85x to 1.39x for the same code.  So:
+
+* **A repeat's pace.** Ranks that never wait for each other (a run that moved no byte through
+  ``torch.distributed``: compute-only) are independent measurements of one step: their **mean** is the pace.
+  Ranks that sync are held to the slowest one at every sync, so the **slowest** rank is the pace.
+* **Paired ratios.** The bench runs every method once per repeat, interleaved (method A, B, C, then A, B, C
+  again), so repeat ``k`` of a method and repeat ``k`` of its baseline shared the machine's state of that moment.
+  Each repeat gives one ratio; the figure is the median of those ratios.
+* **An interval.** A 95 % percentile bootstrap of the median over the repeats (resampled with a fixed seed, so a
+  rerun of the table prints the same interval).  With 5 repeats it is about the range of the ratios (each end
+  is the median of a resample more than 2.5 % of the time); with 9 it spans about the 2nd to the 8th.
+* **Resolved or not.** A ratio whose interval holds 1.0 (or a stated target) cannot be told from it: the table
+  says "not resolved" instead of letting a median pass for a result.
+
+Tuning: more repeats narrow the interval roughly as 1/sqrt(n); longer windows (more steps) cut each repeat's own
+noise.  Pinning each rank to a core (where ranks <= cores) removes most of the spread between ranks.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+def never_waits(ranks: Sequence[dict]) -> bool:
+    """True for a run whose ranks moved no byte through torch.distributed (they never waited for each other)."""
+    return all(r.get("payload_bytes_per_rank") == 0 for r in ranks)
+
+
+def pace(times_by_rank: Sequence[float], independent: bool) -> float:
+    """One repeat's step time: the mean of ranks that never wait for each other, else the slowest rank's."""
+    return statistics.fmean(times_by_rank) if independent else max(times_by_rank)
+
+
+def paces(repeats_by_rank: Sequence[Sequence[float]], independent: bool) -> List[float]:
+    """Per repeat, its pace: ``repeats_by_rank[r][k]`` is rank r's step time in repeat k."""
+    return [pace([rank[k] for rank in repeats_by_rank], independent) for k in range(len(repeats_by_rank[0]))]
+
+
+def median_interval(values: Sequence[float], level: float = 0.95, resamples: int = 4000,
+                    seed: int = 0) -> Tuple[float, float, float]:
+    """The median of ``values`` and a percentile-bootstrap interval of it at ``level``."""
+    values = list(values)
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    lo = medians[int(tail * (resamples - 1))]
+    hi = medians[int(round((1.0 - tail) * (resamples - 1)))]
+    return statistics.median(values), lo, hi
+
+
+def paired_ratio(method: Sequence[float], baseline: Sequence[float], targets: Sequence[float] = (1.0,)) -> Dict:
+    """Repeat k of ``method`` over repeat k of ``baseline``: every ratio, their median, its 95 % interval, and
+    whether the interval clears 1.0 and every target (``resolved``)."""
+    if len(method) != len(baseline):
+        raise ValueError(f"paired repeats differ in number: {len(method)} and {len(baseline)}")
+    ratios = [m / b for m, b in zip(method, baseline)]
+    median, lo, hi = median_interval(ratios)
+    resolved = len(ratios) > 1 and not any(lo <= t <= hi for t in targets)
+    return {"median": median, "lo": lo, "hi": hi, "ratios": ratios, "repeats": len(ratios), "resolved": resolved}
+
+
+def describe(ratio: Optional[Dict]) -> str:
+    """A table cell: ``1.05x [1.02-1.08]``, with ``not resolved`` where the interval holds 1.0 or a target."""
+    if ratio is None:
+        return "-"
+    if ratio["repeats"] == 1:
+        return f"{ratio['median']:.2f}x (1 repeat)"
+    cell = f"{ratio['median']:.2f}x [{ratio['lo']:.2f}-{ratio['hi']:.2f}]"
+    return cell if ratio["resolved"] else cell + " not resolved"
