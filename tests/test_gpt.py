@@ -3,6 +3,7 @@
 import hashlib
 import math
 
+import pytest
 import torch
 
 from commhooks.tools import text
@@ -72,10 +73,11 @@ def _quick_gpt_bench(methods, tmp_path):
     return results
 
 
+@pytest.mark.xdist_group("gpt-bench")  # 4 ranks each: one after the other, not 8 ranks on 2 cores
 def test_quick_gpt_bench_on_two_nodes(tmp_path):
     """"vs DDP" compares the bytes crossing the node links, as the full bench does (it compared every payload
     byte: qsr-int8-hier 1.157, more than DDP).  The bench's eight GPT methods run in two tests of four (this and
-    the next), so that the two halves run side by side."""
+    the next), each under a minute; one after the other on one worker, each beside a lighter test."""
     from commhooks.tools.bench import compared_bytes
 
     results = _quick_gpt_bench(["ddp", "qsr", "qsr-int8-hier", "compute-only"], tmp_path)
@@ -86,5 +88,6 @@ def test_quick_gpt_bench_on_two_nodes(tmp_path):
     assert results["methods"]["qsr"]["config"]["h_base"] == 4  # the GPT config, not MNIST-1D's
 
 
+@pytest.mark.xdist_group("gpt-bench")  # 4 ranks each: one after the other, not 8 ranks on 2 cores
 def test_quick_gpt_bench_on_two_nodes_ab_powersgd_local_sgd(tmp_path):
     _quick_gpt_bench(["ab-groups", "ab-x-qsr", "powersgd-r4", "local-sgd-h8"], tmp_path)
