@@ -340,7 +340,7 @@ def steady(summary: dict) -> float:
 
 def pinned(args) -> bool:
     """Each rank pinned to a core of its own: on unless --pin off, where the ranks fit on the cores."""
-    return getattr(args, "pin", "auto") != "off" and args.ranks <= (os.cpu_count() or 1)
+    return args.pin != "off" and args.ranks <= (os.cpu_count() or 1)
 
 
 def stop_workers(procs) -> None:
@@ -394,6 +394,7 @@ def summarize(runs: Dict[str, List[dict]], per_node: int = 1) -> dict:
     With several ranks per node, each rank reads its node's shared link counter: the node's bytes are the
     mean of those readings, a rank's share that over ``per_node``."""
     first = next(iter(runs.values()))
+    paces = {bw: repeat_paces(rs) for bw, rs in runs.items()}
     wire = [r["wire_bytes_per_rank"] for r in first]
     node_tx = None if wire[0] is None else mean([w["tx"] for w in wire])
     across = mean([cross_node_payload(r.get("payload_bytes_by_group"), per_node) for r in first]) if per_node > 1 else None
@@ -408,10 +409,9 @@ def summarize(runs: Dict[str, List[dict]], per_node: int = 1) -> dict:
         "meter_bytes_per_rank": mean([r["bytes_per_rank"] for r in first]),
         "wire_tx_bytes_per_rank": None if node_tx is None else node_tx / per_node,
         # per repeat the pace (timing.py: the ranks' mean where they never wait, else the slowest rank); the median
-        "step_ms": {bw: statistics.median(repeat_paces(rs)) for bw, rs in runs.items()},
-        "step_ms_paces": {bw: repeat_paces(rs) for bw, rs in runs.items()},
-        "step_ms_repeats_by_rank": {bw: [r.get("step_ms_repeats", [r["step_ms"]]) for r in rs]
-                                    for bw, rs in runs.items()},
+        "step_ms": {bw: statistics.median(p) for bw, p in paces.items()},
+        "step_ms_paces": paces,
+        "step_ms_repeats_by_rank": {bw: [r["step_ms_repeats"] for r in rs] for bw, rs in runs.items()},
         "pace": "mean of ranks (they never wait)" if timing.never_waits(first) else "slowest rank",
         "syncs": first[0].get("syncs"),
         "config": first[0]["config"],
@@ -420,8 +420,8 @@ def summarize(runs: Dict[str, List[dict]], per_node: int = 1) -> dict:
 
 
 def repeat_paces(ranks: List[dict]) -> List[float]:
-    """A method's pace in each repeat at one link setting, from its ranks' step times."""
-    return timing.paces([r.get("step_ms_repeats", [r["step_ms"]]) for r in ranks], timing.never_waits(ranks))
+    """A method's pace in each repeat at one link setting, from its ranks' step times (run_bandwidth's)."""
+    return timing.paces([r["step_ms_repeats"] for r in ranks], timing.never_waits(ranks))
 
 
 def add_ratios(results: dict) -> None:
@@ -430,12 +430,10 @@ def add_ratios(results: dict) -> None:
     methods = results["methods"]
     floor, ddp = methods.get("compute-only"), methods.get("ddp")
     for m in methods.values():
-        if "step_ms_paces" not in m:
-            continue
+        over_floor = floor is not None and floor is not m  # a baseline against itself: None (the table's "-")
+        under_ddp = ddp is not None and ddp is not m
         m["ratios"] = {}
-        for bw, own in m["step_ms_paces"].items():  # a baseline against itself: None (the table's "-")
-            over_floor = floor is not None and floor is not m
-            under_ddp = ddp is not None and ddp is not m
+        for bw, own in m["step_ms_paces"].items():
             m["ratios"][bw] = {
                 "vs compute-only": timing.paired_ratio(own, floor["step_ms_paces"][bw]) if over_floor else None,
                 "ddp over this": timing.paired_ratio(ddp["step_ms_paces"][bw], own) if under_ddp else None}
