@@ -21,7 +21,6 @@ TORCH_VERSION=$(sed -n 's/^\s*torch>=\([0-9.]*\),.*/\1/p' setup.cfg)
 pytag=$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 VENV=${OLDEST_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/commhooks/venv-oldest-torch-$TORCH_VERSION-$pytag}
 CORE_TESTS=${CORE_TESTS:-"tests/test_qsr.py tests/test_ab.py tests/test_outer.py tests/test_streaming.py tests/test_exchange.py tests/test_payloads.py tests/test_alignment.py tests/test_run_end.py tests/test_comm.py tests/test_contract.py tests/oldest_torch"}
-WORKERS=${TEST_WORKERS:-2}
 
 stamp="$VENV/.commhooks-installed"
 want=$( (cat setup.cfg pyproject.toml .ci/oldest-torch.sh; echo "$TORCH_VERSION") | sha256sum | cut -d' ' -f1)
@@ -43,16 +42,8 @@ fi
 export PYTHONPATH="$PWD/hooks${PYTHONPATH:+:$PYTHONPATH}"
 "$VENV/bin/python" -c "import torch, commhooks; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__
 assert commhooks.__file__.startswith('$PWD/hooks/'), commhooks.__file__; print('oldest-torch: torch', torch.__version__)"
-mkdir -p .cache/test-reports
-run() {  # as .ci/test.sh: the parallel phase, then the serial tests alone; exit 5 (nothing selected) is no failure
-    local name=$1; shift
-    "$VENV/bin/python" -m pytest -q -p no:cacheprovider -o addopts="-ra" --junitxml=".cache/test-reports/$name.xml" \
-        "$@" $CORE_TESTS
-    local rc=$?
-    if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then status=$rc; fi
-}
 status=0
 set +e
-run oldest-torch-parallel -n "$WORKERS" --dist loadgroup -m "not serial"
-run oldest-torch-serial -m serial
+. .ci/pytest-phases.sh
+pytest_phases "$VENV/bin/python" oldest-torch -p no:cacheprovider -o addopts="-ra" $CORE_TESTS "$@"
 exit "$status"

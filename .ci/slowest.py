@@ -35,7 +35,7 @@ def main():
         print("  " + leg)
     print(f"the {args.top} slowest tests (seconds, setup + call + teardown):")
     for seconds, leg, name in sorted(rows, reverse=True)[: args.top]:
-        print(f"  {seconds:7.1f}  {leg:<14} {name}")
+        print(f"  {seconds:7.1f}  {leg:<21} {name}")
 
 
 if __name__ == "__main__":
