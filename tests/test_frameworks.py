@@ -23,40 +23,24 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
 
 
-def torchrun(script: str, out: Path, *args: str, env=None, timeout: int = 600):
-    out.mkdir(parents=True, exist_ok=True)
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions"),
-                **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(SCRIPTS / script), "--out", str(out), *args], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
-    ranks = []
-    for r in range(2):
-        f = out / f"rank{r}.json"
-        assert f.exists(), f"{script} {args}: rank {r} wrote nothing (rc {proc.returncode}):\n" + proc.stderr[-3000:]
-        ranks.append(json.loads(f.read_text()))
-    return ranks, proc
-
-
 def torchrun_runs(script: str, runs, env=None, timeout: int = 600):
     """Several runs of ``script`` in one launch (tests/scripts/several.py): ``runs`` maps a name to
-    ``(out, args...)``; the result maps each name to its ranks' records.  The imports are most of a launch here
-    (about 4 of its 5 s of CPU per rank), so the runs of a module share a launch or two: the 24 launches of
-    Accelerate's, the Trainer's and Lightning's tests became 7."""
-    argv = []
-    for out, *args in runs.values():
-        out.mkdir(parents=True, exist_ok=True)
-        if "--report" in args:
-            Path(args[args.index("--report") + 1]).mkdir(parents=True, exist_ok=True)
+    ``(out, args...)``; the result maps each name to its ranks' records (read from ``--report`` if a run gives
+    one, else from ``out``).  The imports are most of a launch here (about 4 of its 5 s of CPU per rank), so the
+    runs of a module share a launch or two: the 24 launches of Accelerate's, the Trainer's and Lightning's tests
+    became 7."""
+    reports, argv = {}, []
+    for name, (out, *args) in runs.items():
+        reports[name] = Path(args[args.index("--report") + 1]) if "--report" in args else out
+        for folder in {out, reports[name]}:
+            folder.mkdir(parents=True, exist_ok=True)
         argv.append(["--out", str(out), *args])
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions"),
-                **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(SCRIPTS / "several.py"), script, json.dumps(argv)], cwd=REPO, env=full_env,
+                           str(SCRIPTS / "several.py"), script, json.dumps(argv)], cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
     results = {}
-    for name, (out, *args) in runs.items():
-        report = Path(args[args.index("--report") + 1]) if "--report" in args else out
+    for (name, (_, *args)), report in zip(runs.items(), reports.values()):
         results[name] = []
         for r in range(2):
             f = report / f"rank{r}.json"
@@ -64,6 +48,11 @@ def torchrun_runs(script: str, runs, env=None, timeout: int = 600):
                                 + proc.stderr[-3000:])
             results[name].append(json.loads(f.read_text()))
     return results
+
+
+def torchrun(script: str, out: Path, *args: str, env=None):
+    """One run of ``script`` in a launch of its own: its ranks' records."""
+    return torchrun_runs(script, {"run": (out, *args)}, env)["run"]
 
 
 def identical(ranks, steps):
@@ -232,7 +221,7 @@ def test_transformers_trainer_with_deepspeed_bf16_zero2(tmp_path):
         "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
         "comm_hook": {"type": "qsr", "h_base": 3, "group_size": 1}}))
-    first, _ = torchrun("hf_trainer.py", tmp_path / "run", "--deepspeed", str(ds), "--bf16", "--save-steps", "6")
+    first = torchrun("hf_trainer.py", tmp_path / "run", "--deepspeed", str(ds), "--bf16", "--save-steps", "6")
     straight = identical(first, 12)
     assert first[0]["warmup"] == 4 and first[0]["total"] == 12, first[0]  # the JSON's config, filled by the Trainer
     assert first[0]["engine_bf16"] and first[0]["weight_dtype"] == "torch.bfloat16", first[0]
@@ -241,7 +230,7 @@ def test_transformers_trainer_with_deepspeed_bf16_zero2(tmp_path):
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
     shutil.copytree(checkpoint, resumed_dir / "checkpoint-6")
-    resumed, _ = torchrun("hf_trainer.py", resumed_dir, "--deepspeed", str(ds), "--bf16", "--save-steps", "6", "--resume")
+    resumed = torchrun("hf_trainer.py", resumed_dir, "--deepspeed", str(ds), "--bf16", "--save-steps", "6", "--resume")
     assert identical(resumed, 12) == straight
 
 
