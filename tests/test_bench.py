@@ -108,6 +108,36 @@ def test_seeds_give_each_method_its_quality_per_seed_and_the_mean(tmp_path):
     assert "mean of seeds 0/1" in (tmp_path / "table.md").read_text()
 
 
+def test_quality_and_time_apart_and_held_out_seeds(tmp_path):
+    """Time from windows of the schedule's first 10 steps, quality from full runs of every seed (so the syncs
+    are the full run's 5, not the window's 3); the search seed's mean and the held-out seed's apart; every row
+    carries the commit and its config's hash, the table says what it is under it."""
+    results, _, _ = bench(["--quick", "--seeds", "0,1", "--search-seeds", "0", "--time-steps", "10",
+                           "--methods", "compute-only,qsr"], tmp_path, timeout=300)
+    setup = results["setup"]
+    assert setup["time_steps"] == 10 and setup["search_seeds"] == [0], setup
+    window = json.loads((tmp_path / "time-unlimited" / "qsr.rank0.json").read_text())
+    full = json.loads((tmp_path / "seed0" / "qsr.rank0.json").read_text())
+    assert window["steps_run"] == 10 and window["syncs"] == 3 and full["steps_run"] == 20, (window, full)
+    qsr = results["methods"]["qsr"]
+    assert qsr["syncs"] == 5 and qsr["test_acc"] == full["test_acc"]
+    assert qsr["quality_search_mean"] == qsr["quality_by_seed"]["0"]
+    assert qsr["quality_heldout_mean"] == qsr["quality_by_seed"]["1"]
+    assert qsr["commit"] == setup["commit"] and qsr["config_sha256"] == full["config_sha256"]
+    text = (tmp_path / "table.md").read_text()
+    assert "mean of search seeds 0" in text and "mean of held-out seeds 1" in text, text
+    assert f"| {qsr['config_sha256'][:8]} |" in text and f"commit {setup['commit'][:7]}" in text, text
+    assert "the schedule's first 10 steps" in text and "chosen on seeds 0" in text, text
+
+
+def test_bad_bench_arguments_are_refused_naming_the_flag():
+    for bad, flag in ((["--search-seeds", "0,1"], "--search-seeds"), (["--search-seeds", "3"], "--search-seeds"),
+                      (["--time-steps", "5"], "--time-steps"), (["--repeats", "0"], "--repeats")):
+        proc = subprocess.run([sys.executable, "-m", "commhooks.cli", "bench", "--quick", "--seeds", "0,1", *bad],
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and flag in proc.stderr, (bad, proc.stderr[-500:])
+
+
 def test_bad_seeds_are_refused_naming_the_flag():
     for bad in ("0,0", "a,1", ","):
         proc = subprocess.run([sys.executable, "-m", "commhooks.cli", "bench", "--quick", "--seeds", bad],

@@ -39,6 +39,17 @@ def test_train_qsr_and_baseline_summaries(tmp_path):
         capture_output=True, text=True, timeout=60,
     )
     assert "| qsr |" in table.stdout and "| none |" in table.stdout
+    assert len(qsr["commit"]) == 40 and qsr["commit"] == ddp["commit"] and len(qsr["config_sha256"]) == 16
+    assert f"All runs: commit {qsr['commit'][:7]}" in table.stdout and "unlimited loopback" in table.stdout
+    # one run, one commit: a summary of another commit is refused, naming the files and the way to allow it
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(qsr, commit="0" * 40, label="other")))
+    args = [sys.executable, "-m", "commhooks.cli", "table", str(tmp_path / "none.json"), str(other)]
+    refused = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "2 commits" in refused.stderr and "--mixed" in refused.stderr, refused.stderr
+    assert "other.json" in refused.stderr and refused.stdout == ""
+    mixed = subprocess.run(args + ["--mixed"], capture_output=True, text=True, timeout=60)
+    assert mixed.returncode == 0 and "MIXED (--mixed): runs of 2 commits" in mixed.stdout, mixed.stdout
 
 
 def test_train_ab_prints_report_and_meters_phases(tmp_path):

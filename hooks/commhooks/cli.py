@@ -24,11 +24,20 @@ def nbytes(run: dict) -> int:
     return run["bytes_per_rank"] if run["bytes_per_rank"] is not None else (run.get("payload_bytes_per_rank") or 0)
 
 
-def table(paths: Sequence[str]) -> str:
-    """A markdown table of run summaries (JSON files from ``train --json-out``), first row = baseline."""
+class MixedRuns(ValueError):
+    """Summaries of different commits in one table, not asked for with ``--mixed``."""
+
+
+def table(paths: Sequence[str], mixed: bool = False) -> str:
+    """A markdown table of run summaries (JSON files from ``train --json-out``), first row = baseline.
+
+    Its ratios divide figures of different runs, so they must come from one commit (DESIGN section 18: DDP's GPT
+    loss moved between commits): summaries of several commits (or of none recorded beside one recorded) are
+    refused with :class:`MixedRuns`, unless ``mixed``, and then the table says so under it."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     if not runs:
         return "no runs"
+    code = commits_line(runs, paths, mixed)
     base = nbytes(runs[0]) or 1
     lines = [
         "| run | test acc | train loss | bytes/rank | vs first | syncs | steps | wall |",
@@ -39,7 +48,25 @@ def table(paths: Sequence[str]) -> str:
             f"| {r['label']} | {r['test_acc']:.4f} | {r['train_loss']:.4f} | {nbytes(r) / 1e6:.2f} MB "
             f"| {nbytes(r) / base:.3f} | {r['syncs']} | {r['steps']} | {r['wall_s']:.1f} s |"
         )
-    return "\n".join(lines + ["", reading(runs)])
+    wall = ("'wall' is each run's time on the link it ran on: on an unlimited loopback (`make demo`) traffic costs "
+            "almost nothing and DDP is fastest; for a slow link, `commhooks bench` (docs/pages/tools/bench.md).")
+    return "\n".join(lines + ["", reading(runs), "", wall, "", code])
+
+
+def commits_line(runs: Sequence[dict], paths: Sequence[str], mixed: bool) -> str:
+    """The code the runs came from, in a sentence; :class:`MixedRuns` where they differ and ``mixed`` is off."""
+    by_commit: dict = {}
+    for path, r in zip(paths, runs):
+        key = (r.get("commit") or "not recorded")[:7] + (" with uncommitted changes" if r.get("dirty") else "")
+        by_commit.setdefault(key, []).append(Path(path).name)
+    if len(by_commit) == 1:
+        return f"All runs: commit {next(iter(by_commit))}."
+    listed = "; ".join(f"{c}: {', '.join(names)}" for c, names in by_commit.items())
+    if not mixed:
+        raise MixedRuns(f"the summaries come from {len(by_commit)} commits ({listed}): a table divides figures of "
+                        "one commit (rerun the baseline beside the others), or pass --mixed to make it anyway and "
+                        "say so under it")
+    return f"MIXED (--mixed): runs of {len(by_commit)} commits, so its ratios measure code changes too: {listed}."
 
 
 def reading(runs: Sequence[dict], tolerance: float = 0.007) -> str:
@@ -119,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=text, add_help=False)
     tab = sub.add_parser("table", help="markdown table of summaries written by `train --json-out`")
     tab.add_argument("summaries", nargs="+", help="JSON files; the first is the baseline")
+    tab.add_argument("--mixed", action="store_true",
+                     help="allow summaries of different commits in one table (refused otherwise); the table says so")
     sub.add_parser("configs", help="list the shipped configs (load one by name: config=\"qsr_mnist1d\")")
     sch = sub.add_parser("schema", help="JSON schema of the comm_hook section (or the docs' key tables)")
     sch.add_argument("--markdown", action="store_true", help="the key tables as markdown instead of the JSON schema")
@@ -148,7 +177,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return plan_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "table":
-        print(table(args.summaries))
+        try:
+            print(table(args.summaries, args.mixed))
+        except MixedRuns as exc:
+            print(f"commhooks table: {exc}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "configs":
         return configs()

@@ -9,10 +9,14 @@ method sends crosses a real link: the kernel's tx counters of each rank's veth
 give the bytes on the wire for torch's hooks and ours alike, and ``tc``
 (netem delay + tbf rate) on each veth makes the link slow.  Every method runs
 the same model, seed, data order and number of optimizer steps through
-``commhooks.tools.train`` (the workers), once per bandwidth; accuracy comes from
-the first (unlimited) run, since the link changes only the time.  Without
-root (or where namespaces cannot be made) the run says so and falls back to
-loopback with payload bytes only.
+``commhooks.tools.train`` (the workers).  Quality and time are measured apart
+(DESIGN section 18): the quality column comes from full runs on an unlimited link,
+one per seed (the link changes only the time); the time comes from ``--repeats``
+interleaved runs at each link setting (``--time-steps``: only the schedule's
+first steps), each timed after its first tenth, every repeat paired with the
+baselines' repeat of the same round (``timing.py``).  Without root (or where
+namespaces cannot be made) the run says so and falls back to loopback with
+payload bytes only.
 
 Output in ``--out``: ``results.json``, ``table.md``, ``accuracy_vs_bytes.png``,
 ``time_vs_bandwidth.png``.
@@ -21,7 +25,6 @@ Output in ``--out``: ``results.json``, ``table.md``, ``accuracy_vs_bytes.png``,
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -36,7 +39,7 @@ from typing import Dict, List, Optional, Sequence
 
 from ..launch import free_port
 from ..shipped import shipped_configs
-from . import timing
+from . import provenance, timing
 from .anchors import ANCHORS
 from .workloads import WORKLOADS
 
@@ -108,6 +111,7 @@ METHODS: Dict[str, List[str]] = {
     "qsr-nosync": ["--config", "configs/qsr_nosync_mnist1d.json"],  # syncs switched off: commhooks' per-step floor
     "compute-only": ["--hook", "compute-only"],
 }
+DEFAULT_REPEATS = 7  # DESIGN section 18; measured in results/bench-protocol-mnist1d-2026-12-06
 CONTROLS = ("qsr-nosync",)  # methods that measure a floor, never one to choose (the planner's list leaves them out)
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
 
@@ -278,10 +282,15 @@ class NetnsLab:
 
 
 def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Path, timeout: float,
-                  seed: Optional[int] = None, repeats: Optional[int] = None) -> Dict[str, List[dict]]:
-    """All methods at one link setting, one after the other, in one process group: per method, the per-rank summaries."""
+                  seed: Optional[int] = None, repeats: Optional[int] = None,
+                  stop_after: Optional[int] = None) -> Dict[str, List[dict]]:
+    """All methods at one link setting, one after the other, in one process group: per method, the per-rank
+    summaries (``stop_after``: only the schedule's first steps, a timing window)."""
     seed = args.seeds[0] if seed is None else seed
+    out.mkdir(parents=True, exist_ok=True)
     common = ["--steps", str(args.steps), "--model", args.model, "--seed", str(seed), "--no-progress"]
+    if stop_after is not None and stop_after < args.steps:
+        common += ["--stop-after", str(stop_after)]
     repeats = getattr(args, "repeats", 1) if repeats is None else repeats
     runs_of = {name: [name] + [f"{name}#{k}" for k in range(1, repeats)] for name in methods}
     spec = {run: method_argv(name, args.model, getattr(args, "engine", "ddp")) + common + ["--label", name, "--json-out", str(out / f"{run}.rank{{rank}}.json")]
@@ -388,13 +397,13 @@ def mean(values):
     return sum(values) / len(values) if values else None
 
 
-def summarize(runs: Dict[str, List[dict]], per_node: int = 1) -> dict:
-    """One method's row: accuracy and bytes from the first link setting, the slowest rank's time at each.
+def summarize(first: List[dict], timed: Dict[str, List[dict]], per_node: int = 1) -> dict:
+    """One method's row: quality and bytes from its full run of the first seed (``first``: per rank), its pace
+    per repeat at each link setting from the timing runs (``timed``).
 
     With several ranks per node, each rank reads its node's shared link counter: the node's bytes are the
     mean of those readings, a rank's share that over ``per_node``."""
-    first = next(iter(runs.values()))
-    paces = {bw: repeat_paces(rs) for bw, rs in runs.items()}
+    paces = {bw: repeat_paces(rs) for bw, rs in timed.items()}
     wire = [r["wire_bytes_per_rank"] for r in first]
     node_tx = None if wire[0] is None else mean([w["tx"] for w in wire])
     across = mean([cross_node_payload(r.get("payload_bytes_by_group"), per_node) for r in first]) if per_node > 1 else None
@@ -411,11 +420,12 @@ def summarize(runs: Dict[str, List[dict]], per_node: int = 1) -> dict:
         # per repeat the pace (timing.py: the ranks' mean where they never wait, else the slowest rank); the median
         "step_ms": {bw: statistics.median(p) for bw, p in paces.items()},
         "step_ms_paces": paces,
-        "step_ms_repeats_by_rank": {bw: [r["step_ms_repeats"] for r in rs] for bw, rs in runs.items()},
+        "step_ms_repeats_by_rank": {bw: [r["step_ms_repeats"] for r in rs] for bw, rs in timed.items()},
         "pace": "mean of ranks (they never wait)" if timing.never_waits(first) else "slowest rank",
         "syncs": first[0].get("syncs"),
         "config": first[0]["config"],
-        "config_sha256": hashlib.sha256(json.dumps(first[0]["config"], sort_keys=True).encode()).hexdigest()[:16],
+        "config_sha256": provenance.config_sha256(first[0]["config"]),
+        "commit": first[0].get("commit"),
     }
 
 
@@ -424,10 +434,12 @@ def repeat_paces(ranks: List[dict]) -> List[float]:
     return timing.paces([r["step_ms_repeats"] for r in ranks], timing.never_waits(ranks))
 
 
-def add_ratios(results: dict) -> None:
+def add_ratios(results: dict, target: Optional[float] = None) -> None:
     """Each method's paired ratios per link setting: its pace over compute-only's (the speed limit) and DDP's
-    over its (how much faster), repeat by repeat, with the median's 95 % interval (timing.py)."""
+    over its (how much faster), repeat by repeat, with the median's 95 % interval (timing.py); ``target``: a
+    ratio to compute-only the interval must also clear to be resolved."""
     methods = results["methods"]
+    targets = (1.0,) if target is None else (1.0, target)
     floor, ddp = methods.get("compute-only"), methods.get("ddp")
     for m in methods.values():
         over_floor = floor is not None and floor is not m  # a baseline against itself: None (the table's "-")
@@ -435,22 +447,9 @@ def add_ratios(results: dict) -> None:
         m["ratios"] = {}
         for bw, own in m["step_ms_paces"].items():
             m["ratios"][bw] = {
-                "vs compute-only": timing.paired_ratio(own, floor["step_ms_paces"][bw]) if over_floor else None,
+                "vs compute-only": timing.paired_ratio(own, floor["step_ms_paces"][bw], targets) if over_floor
+                else None,
                 "ddp over this": timing.paired_ratio(ddp["step_ms_paces"][bw], own) if under_ddp else None}
-
-
-def commit() -> dict:
-    """The commit the bench ran (and whether its tree had changes): a table divides figures of one commit."""
-    where = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return {"commit": None, "dirty": None}
-    if head.returncode != 0:
-        return {"commit": None, "dirty": None}  # an installed package, not a checkout
-    return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
 
 
 def machine_load(before: float, after: float, ranks: int) -> dict:
@@ -494,12 +493,25 @@ def quality_metric(results: dict) -> str:
     return WORKLOADS[results["setup"].get("model", "cnn")].metric
 
 
-def add_seed_means(results: dict, seeds: Sequence[int], quality: Dict[str, Dict[int, float]]) -> None:
-    """Each method's quality metric per seed and its mean (accuracy claims use the mean)."""
+def seed_mean(by_seed: Dict[int, Optional[float]], seeds: Sequence[int]) -> Optional[float]:
+    """The mean over ``seeds``, or None where one of them has no figure (a mean of fewer seeds is not one)."""
+    values = [by_seed.get(s) for s in seeds]
+    return None if not seeds or None in values else sum(values) / len(values)
+
+
+def add_seed_means(results: dict, seeds: Sequence[int], quality: Dict[str, Dict[int, float]],
+                   search_seeds: Sequence[int] = ()) -> None:
+    """Each method's quality metric per seed and its mean (accuracy claims use the mean); where a search chose
+    the configurations on ``search_seeds``, the mean of those and of the held-out others apart (a choice among
+    several variants flatters the winner on the seeds it was chosen on: quote the held-out mean)."""
+    heldout = [s for s in seeds if s not in search_seeds]
     for name, by_seed in quality.items():
-        values = [by_seed[s] for s in seeds if by_seed.get(s) is not None]
-        results["methods"][name]["quality_by_seed"] = {str(s): by_seed.get(s) for s in seeds}
-        results["methods"][name]["quality_mean"] = sum(values) / len(values) if len(values) == len(seeds) else None
+        m = results["methods"][name]
+        m["quality_by_seed"] = {str(s): by_seed.get(s) for s in seeds}
+        m["quality_mean"] = seed_mean(by_seed, seeds)
+        if search_seeds:
+            m["quality_search_mean"] = seed_mean(by_seed, search_seeds)
+            m["quality_heldout_mean"] = seed_mean(by_seed, heldout)
 
 
 def table(results: dict) -> str:
@@ -507,23 +519,26 @@ def table(results: dict) -> str:
     ddp, floor = methods.get("ddp"), methods.get("compute-only")
     metric = quality_metric(results)
     seeds = results["setup"].get("seeds") or [results["setup"].get("seed", 0)]
+    search = results["setup"].get("search_seeds") or []
+    means = ([("quality_search_mean", f"mean of search seeds {'/'.join(map(str, search))}"),
+              ("quality_heldout_mean", f"mean of held-out seeds {'/'.join(str(x) for x in seeds if x not in search)}")]
+             if search else [("quality_mean", f"mean of seeds {'/'.join(map(str, seeds))}")] if len(seeds) > 1 else [])
     head = ["method", metric.replace("_", " ") + (f" (seed {seeds[0]})" if len(seeds) > 1 else "")]
-    if len(seeds) > 1:
-        head.append(f"mean of seeds {'/'.join(map(str, seeds))}")
+    head += [label for _, label in means]
     nodes = across_nodes(results)
     head += ["syncs", "payload/rank" + (" (incl. in-node)" if nodes else ""), "vs DDP" + (" (cross-node)" if nodes else ""),
-             "wire tx/rank"]
+             "wire tx/rank", "config"]
     head += [f"ms/step {bw}" for bw in bws] + [f"vs compute-only {bws[-1]}", f"vs DDP {bws[-1]}", f"overhead vs DDP {bws[0]}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in methods.items():
         payload = m["payload_bytes_per_rank"]
         compared, base = compared_bytes(results, m), compared_bytes(results, ddp) if ddp else None
         row = [name, f"{m[metric]:.4f}"]
-        if len(seeds) > 1:
-            row.append("-" if m.get("quality_mean") is None else f"{m['quality_mean']:.4f}")
+        row += ["-" if m.get(key) is None else f"{m[key]:.4f}" for key, _ in means]
         row += ["-" if m.get("syncs") is None else str(m["syncs"]), f"{payload / 1e6:.2f} MB",
                f"{compared / base:.3f}" if base and compared is not None else "-",
-               "-" if m["wire_tx_bytes_per_rank"] is None else f"{m['wire_tx_bytes_per_rank'] / 1e6:.2f} MB"]
+               "-" if m["wire_tx_bytes_per_rank"] is None else f"{m['wire_tx_bytes_per_rank'] / 1e6:.2f} MB",
+               (m.get("config_sha256") or "-")[:8]]
         row += [f"{m['step_ms'][bw]:.2f}" for bw in bws]
         last, first = bws[-1], bws[0]
         paired = m.get("ratios", {}).get(last)
@@ -535,7 +550,25 @@ def table(results: dict) -> str:
             row.append(f"{ddp['step_ms'][last] / m['step_ms'][last]:.2f}x faster" if ddp else "-")
         row.append(f"{m['step_ms'][first] / ddp['step_ms'][first]:.2f}" if ddp else "-")
         lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", provenance_line(results)])
+
+
+def provenance_line(results: dict) -> str:
+    """What the table's figures are, under it: one run of one commit, how time and quality were measured."""
+    s = results["setup"]
+    code = f"commit {s['commit'][:7]}" + (" with uncommitted changes" if s.get("dirty") else "") if s.get("commit") \
+        else "commit not recorded"
+    text = f"One run, {code}, {s.get('date', 'undated')}; config = the first 8 hex digits of its SHA-256."
+    if "time_steps" not in s:
+        return text + " Recorded before the quality and time runs were apart: time and quality from the same runs."
+    window = "the whole schedule" if s["time_steps"] == s["steps"] else f"the schedule's first {s['time_steps']} steps"
+    seeds = s.get("seeds") or [s.get("seed", 0)]
+    return (text + f" Time: {s.get('repeats', 1)} interleaved repeat(s) of {window} per link setting, each timed "
+            f"after its first tenth; ratios paired per repeat, median [95 % bootstrap interval], resolved where "
+            f"the interval clears 1.0{' and the target ' + str(s['target']) if s.get('target') else ''}. "
+            f"Quality: full runs on an unlimited link, seed(s) {', '.join(map(str, seeds))}"
+            + (f"; the configurations were chosen on seeds {', '.join(map(str, s['search_seeds']))}."
+               if s.get("search_seeds") else "."))
 
 
 def title(results: dict) -> str:
@@ -621,15 +654,23 @@ def parse_args(argv=None):
                    help="cnn / mlp: MNIST-1D; gpt: the byte-level GPT (validation loss instead of accuracy)")
     p.add_argument("--seed", type=int, default=0, help="the seed of every run (one seed; see --seeds)")
     p.add_argument("--seeds", default=None,
-                   help="comma list, e.g. 0,1,2: the first seed runs at every bandwidth; the others run once more "
-                        "on an unlimited link for the quality column (the mean of the seeds)")
-    p.add_argument("--repeats", type=int, default=1,
+                   help="comma list, e.g. 0,1,2: the quality column's seeds (full runs on an unlimited link; the "
+                        "table shows their mean); the timing runs use the first")
+    p.add_argument("--search-seeds", default=None,
+                   help="the seeds among --seeds on which a search chose these configurations: the table shows "
+                        "their mean and the held-out seeds' mean apart (quote the held-out one)")
+    p.add_argument("--time-steps", type=int, default=None,
+                   help="timing runs stop after this many steps of the full schedule (default: the whole "
+                        "schedule); each is timed after its first tenth")
+    p.add_argument("--target", type=float, default=None,
+                   help="a ratio to compute-only that an interval must also clear to be called resolved")
+    p.add_argument("--repeats", type=int, default=None,
                    help="run each method this many times per link setting, interleaved: each repeat gives a paired "
                         "ratio against compute-only and DDP, the table their median and 95 %% interval (and 'not "
-                        "resolved' where it holds 1.0)")
+                        "resolved' where it holds 1.0); default 7, 1 with --quick")
     p.add_argument("--pin", choices=("auto", "off"), default="auto",
                    help="auto: each rank pinned to a core of its own where the ranks fit on the cores (recorded)")
-    p.add_argument("--bandwidths", default=",".join(BANDWIDTHS), help="comma list of tc rates (first: the accuracy run)")
+    p.add_argument("--bandwidths", default=",".join(BANDWIDTHS), help="comma list of tc rates at which to time the methods")
     p.add_argument("--delay", default="1ms", help="netem delay added on limited links")
     p.add_argument("--netns", choices=("auto", "on", "off"), default="auto",
                    help="auto: namespaces when root, else loopback; on: fail if they cannot be made")
@@ -640,12 +681,19 @@ def parse_args(argv=None):
     p.add_argument("--replot", metavar="DIR",
                    help="only redraw DIR's table.md and pictures from its results.json (a recorded run), then stop")
     args = p.parse_args(argv)
-    args.repeats = max(1, args.repeats)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else DEFAULT_REPEATS
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     args.timeout *= args.repeats  # the limit is per link setting, for every run of every method
     if args.steps is None:
         args.steps = WORKLOADS[args.model].bench_steps
     if args.quick:
         args.steps, args.netns, args.bandwidths = min(args.steps, 20), "off", "unlimited"
+    if args.time_steps is None:
+        args.time_steps = args.steps
+    if not 10 <= args.time_steps <= args.steps:
+        p.error(f"--time-steps must be from 10 to --steps ({args.steps}), got {args.time_steps}")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
@@ -658,6 +706,13 @@ def parse_args(argv=None):
     if not args.seeds or len(set(args.seeds)) != len(args.seeds):
         p.error(f"--seeds must list distinct integers, got {args.seeds}")
     args.seed = args.seeds[0]
+    try:
+        args.search_seeds = [] if args.search_seeds is None else [int(x) for x in args.search_seeds.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--search-seeds must be a comma list of integers, got {args.search_seeds!r}")
+    if args.search_seeds and (set(args.search_seeds) - set(args.seeds) or set(args.search_seeds) >= set(args.seeds)):
+        p.error(f"--search-seeds must be some of --seeds ({args.seeds}), leaving at least one held out; "
+                f"got {args.search_seeds}")
     if args.nodes is not None and (args.nodes < 1 or args.ranks % args.nodes):
         p.error(f"--nodes must divide --ranks ({args.ranks}), got {args.nodes}")
     return args
@@ -691,7 +746,8 @@ def main(argv=None) -> int:
 
 def _run(args, out: Path) -> int:
     lab, network = None, "loopback"
-    runs: Dict[str, Dict[str, List[dict]]] = {m: {} for m in args.methods}
+    timed: Dict[str, Dict[str, List[dict]]] = {}  # link setting -> method -> per-rank summaries
+    by_seed: Dict[int, Dict[str, List[dict]]] = {}  # seed -> method -> per-rank summaries of a full run
     results: dict = {}
     try:
         if args.netns != "off":
@@ -715,39 +771,38 @@ def _run(args, out: Path) -> int:
         # on loopback --nodes still groups the ranks by node (LOCAL_WORLD_SIZE): "vs DDP" then compares the bytes
         # the meter counts on groups spanning nodes, as the wire counter would with namespaces
         results = {"setup": {"ranks": args.ranks, "nodes": lab.nodes if lab else args.nodes, "steps": args.steps,
-                             "model": args.model, "engine": args.engine, "seed": args.seed, "seeds": args.seeds,
-                             "repeats": args.repeats,
+                             "time_steps": args.time_steps, "model": args.model, "engine": args.engine,
+                             "seed": args.seed, "seeds": args.seeds, "search_seeds": args.search_seeds,
+                             "repeats": args.repeats, "target": args.target,
                              "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
-                             "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), **commit(),
+                             "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), **provenance.commit(),
                              "pinned": pinned(args), "load": {}}, "methods": {}}
-        for bw in args.bandwidths:
+        for bw in args.bandwidths:  # time: interleaved repeats at each link setting
             shaping = lab.shape(bw, args.delay) if lab else "none"
             results["setup"].setdefault("shaping", {})[bw] = shaping
-            print(f"[bench] link {bw}: {shaping} ({network})", flush=True)
+            print(f"[bench] link {bw}: {shaping} ({network}), {args.repeats} repeat(s)", flush=True)
             before = os.getloadavg()[0]
-            for name, per_rank in run_bandwidth(args.methods, args, lab, out, args.timeout).items():
-                runs[name][bw] = per_rank
+            timed[bw] = run_bandwidth(args.methods, args, lab, out / f"time-{bw}", args.timeout,
+                                      stop_after=args.time_steps)
             results["setup"]["load"][bw] = machine_load(before, os.getloadavg()[0], args.ranks)
-        quality: Dict[str, Dict[int, float]] = {m: {} for m in args.methods}
-        metric = WORKLOADS[args.model].metric
-        for name in args.methods:
-            quality[name][args.seeds[0]] = runs[name][args.bandwidths[0]][0][metric]
-        for seed in args.seeds[1:]:  # quality only: the link does not change it, so the fastest one
+        if "unlimited" in timed and args.time_steps == args.steps:  # a whole run of the first seed, unlimited
+            by_seed[args.seeds[0]] = timed["unlimited"]
+        for seed in [x for x in args.seeds if x not in by_seed]:  # quality: full runs, the link does not change it
             shaping = lab.shape("unlimited", args.delay) if lab else "none"
             print(f"[bench] seed {seed}: quality runs, link unlimited ({shaping})", flush=True)
-            seed_out = out / f"seed{seed}"
-            seed_out.mkdir(parents=True, exist_ok=True)
-            found = run_bandwidth(args.methods, args, lab, seed_out, args.timeout / args.repeats, seed=seed, repeats=1)
-            for name, per_rank in found.items():
-                quality[name][seed] = per_rank[0][metric]
+            by_seed[seed] = run_bandwidth(args.methods, args, lab, out / f"seed{seed}", args.timeout / args.repeats,
+                                          seed=seed, repeats=1)
     finally:
         if lab:
             lab.__exit__()
     per_node = args.ranks // (results.get("setup", {}).get("nodes") or args.ranks)
+    metric = WORKLOADS[args.model].metric
     for name in args.methods:
-        results["methods"][name] = summarize(runs[name], per_node)
-    add_seed_means(results, args.seeds, quality)
-    add_ratios(results)
+        results["methods"][name] = summarize(by_seed[args.seeds[0]][name], {bw: timed[bw][name] for bw in timed},
+                                             per_node)
+    add_seed_means(results, args.seeds, {name: {seed: by_seed[seed][name][0][metric] for seed in args.seeds}
+                                         for name in args.methods}, args.search_seeds)
+    add_ratios(results, args.target)
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     md = table(results)
     (out / "table.md").write_text(md + "\n")

@@ -68,10 +68,10 @@ def paired_ratio(method: Sequence[float], baseline: Sequence[float], targets: Se
 
 
 def describe(ratio: Optional[Dict]) -> str:
-    """A table cell: ``1.05x [1.02-1.08]``, with ``not resolved`` where the interval holds 1.0 or a target."""
+    """A table cell: ``1.05x [1.02-1.08] resolved``, or ``not resolved`` where the interval holds 1.0 or a target."""
     if ratio is None:
         return "-"
     if ratio["repeats"] == 1:
         return f"{ratio['median']:.2f}x (1 repeat)"
     cell = f"{ratio['median']:.2f}x [{ratio['lo']:.2f}-{ratio['hi']:.2f}]"
-    return cell if ratio["resolved"] else cell + " not resolved"
+    return cell + (" resolved" if ratio["resolved"] else " not resolved")

@@ -36,7 +36,7 @@ from ..checkpointer import Checkpointer
 from ..comm import CollectiveError
 from ..facts import launcher_local_world_size
 from .anchors import ANCHORS, register_anchor
-from . import live
+from . import live, provenance
 from .fault_plan import PlannedFaults, ProgressFile
 from ..algorithms.base import AlgorithmState
 from ..launch import LaunchError, init_distributed, local_cuda_index, shutdown
@@ -80,6 +80,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="bf16 autocast of the forward pass; auto = bf16 for gpt on CUDA only (this trainer's CPU "
                         "bf16 is ~12x slower than fp32 on CPUs without bf16 units)")
     p.add_argument("--steps", type=int, default=1200, help="optimizer steps")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="run only the first N steps of the --steps schedule (the learning rate and the hook's "
+                        "periods as in the full run): the benchmark's timing windows; the quality is then not the run's")
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default 32; gpt 8 sequences)")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 0.003; gpt 0.002)")
@@ -113,6 +116,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.steps < 1 or args.batch_size < 1:
         p.error("--steps and --batch-size must be >= 1")
+    if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
+        p.error(f"--stop-after must be from 1 to --steps ({args.steps}), got {args.stop_after}")
     if args.log_every is not None and args.log_every < 0:
         p.error(f"--log-every must be >= 0 (0 = off), got {args.log_every}")
     if args.hook in ANCHORS and args.backend != "ddp":
@@ -396,11 +401,12 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
     counter = PayloadCounter()
     start = time.perf_counter()
     # the steady-state window: the steps after the first tenth (start-up, first syncs, allocator warm-up)
-    window_from = first_step + max(1, (args.steps - first_step) // 10)
+    last = args.steps if args.stop_after is None else args.stop_after  # a timing window: the schedule's first steps
+    window_from = first_step + max(1, (last - first_step) // 10)
     window_start = window_end = None
     # every torch.distributed collective of the run, whoever issues it; `with state:` ends the run synced
     with counter, (state if isinstance(state, AlgorithmState) else contextlib.nullcontext()):
-        for step in range(first_step, args.steps):
+        for step in range(first_step, last):
             if step == window_from:
                 window_start = time.perf_counter()
             loss, lr = train_step([next(batches) for _ in range(accumulation)])
@@ -417,7 +423,7 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         window_end = time.perf_counter()
         if checkpointer is not None:
             checkpointer.close()  # the last save is committed before the run ends
-        progress_file.update(args.steps, force=True)
+        progress_file.update(last, force=True)
     if args.backend == "torchft":
         live.leave(args.live)
     wall = time.perf_counter() - start
@@ -434,6 +440,7 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         "model": args.model,
         "ranks": world,
         "steps": args.steps,
+        "steps_run": last - first_step,  # fewer than steps: a timing window (--stop-after) or a resumed run
         "test_acc": None,  # MNIST-1D; the GPT workload reports val_loss / val_ppl
         **workload.evaluate(model),
         "train_loss": round(tail.item(), 4),
@@ -444,16 +451,18 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         "payload_bytes_by_group": {"-".join(map(str, g)): b for g, b in sorted(counter.by_group.items())}
         if args.backend != "horovod" else None,
         "wire_bytes_per_rank": None if wire_before is None else {k: wire_after[k] - wire_before[k] for k in wire_before},
-        "step_ms": round(1000 * wall / max(1, args.steps - first_step), 3),
+        "step_ms": round(1000 * wall / max(1, last - first_step), 3),
         # the steps after the first tenth only: what the bench's paired ratios compare (None: too short a run)
         "steady_step_ms": None if window_start is None else
-        round(1000 * (window_end - window_start) / (args.steps - window_from), 3),
+        round(1000 * (window_end - window_start) / (last - window_from), 3),
         "resumed_from": first_step,
         "params_checksum": float(sum(_whole(p).detach().double().sum() for p in model.parameters())),
         "params_sha256": params_sha256(model),  # equal only for bit-identical parameters
-        "syncs": state.syncs if isinstance(state, AlgorithmState) else (None if args.hook in ANCHORS else args.steps),
+        "syncs": state.syncs if isinstance(state, AlgorithmState) else (None if args.hook in ANCHORS else last),
         "wall_s": round(wall, 2),
         "config": cfg.to_dict(conf),
+        "config_sha256": provenance.config_sha256(cfg.to_dict(conf)),
+        **provenance.commit(),  # "one run, one commit": commhooks table refuses to mix commits
     }
     if isinstance(state, AlgorithmState):
         summary["report"] = state.report()

@@ -1,0 +1,36 @@
+"""Where a figure came from: the commit that ran it and a hash of the config it ran.
+
+Why (DESIGN section 18, "one run, one commit"): DDP's GPT seed-0 loss was 1.3847 in three runs and 1.3760 some
+50 commits later, so a table that divides figures of two commits measures the code change as much as the method.
+Every summary ``commhooks train`` writes and every row of ``commhooks bench`` carries both, and ``commhooks table``
+refuses to put runs of different commits in one table unless asked.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+
+@functools.lru_cache(maxsize=1)
+def commit() -> dict:
+    """The commit this package runs from (and whether its tree had changes), or ``None`` for both where the
+    package is not a git checkout (an installed wheel)."""
+    where = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": None, "dirty": None}
+    if head.returncode != 0:
+        return {"commit": None, "dirty": None}
+    return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+
+
+def config_sha256(config: dict) -> str:
+    """16 hex digits of a SHA-256 of the config (keys sorted): two rows with the same one ran the same settings."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
