@@ -1,11 +1,35 @@
-"""What a fault run cost, from its record: the steps each attempt ran and redone, and a table of runs."""
+"""What a fault run cost, from its record: the steps each attempt ran and redone, which faults hit training and
+what each cost, and a table of runs.
+
+A fault counts only if it hit training: after the first step of the attempt (or the live group's incarnation)
+it hit, and before the run's last step.  The others are counted apart: a fault that hit a restart still starting
+costs a restart but no step; one after the last step costs nothing.  How each is told from the record:
+
+* restarts (``commhooks faults``): a fault's ``step`` is rank 0's step read from the progress file when it was
+  injected; the injector removes that file when an attempt starts and rank 0 rewrites it after each step, so
+  ``step`` None means the attempt had not finished a step, and ``step`` at the run's last step means training
+  was over (the ranks were evaluating or saving).  The file is written at most every 0.05 s: a fault within
+  0.05 s of an attempt's first step may be counted as hitting a start-up.
+* live groups (``--torchft``): the progress file is shared by every group, so ``step`` says the job was training
+  but not whether the killed group was.  The record does not hold when a restarted group joined; the proxy is
+  the log of the incarnation the fault hit (``group<g>.start<n>.log`` beside the record): it hit training if
+  that incarnation committed a step (torchft's ``should_commit=true``) before it was killed.  Without the log,
+  a fault with a step counts as a hit (an upper bound).
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
+
+HIT, STARTING, ENDED = "hit training", "hit a start-up", "after the last step"
+KILL_KINDS = ("kill", "kill-node")  # noticed at once: a kill that hit an attempt is what ended it
+# torchft's manager logs this line each time a group commits a step (torchft 0.2.0)
+COMMITTED = re.compile(r"should_commit completed should_commit=true")
+
 
 def summarize(record: dict, summary: Optional[dict], wall_s: float) -> dict:
     """The steps each attempt ran (rank 0's step when it failed, sampled each 0.05 s, less the step it resumed
@@ -33,36 +57,181 @@ def summarize(record: dict, summary: Optional[dict], wall_s: float) -> dict:
     return record
 
 
+def groups_identical(groups: List[dict]) -> Optional[bool]:
+    """Whether the live groups that finished hold one model; None with fewer than two, where there is nothing to
+    compare (one group finishing alone is trivially 'identical' and says nothing about healing)."""
+    if len(groups) < 2:
+        return None
+    return len({g["params_sha256"] for g in groups}) == 1
+
+
+def identical_cell(groups: List[dict]) -> str:
+    """The table's word for :func:`groups_identical`, with how many groups it compared."""
+    same = groups_identical(groups)
+    if same is None:
+        return f"n/a ({len(groups)} group{'' if len(groups) == 1 else 's'} finished)"
+    return ("yes" if same else "NO") + f" ({len(groups)} finished)"
+
+
+def last_step(report: dict) -> Optional[int]:
+    """The run's last step: the faulted run's summary, else the fault-free run's, else ``--steps`` in its argv (a
+    live run's summary is one group's, absent when that group was stopped at the end)."""
+    for run in (report["faulted"], report.get("reference") or {}):
+        if (run.get("summary") or {}).get("steps") is not None:
+            return run["summary"]["steps"]
+    argv = report.get("argv", [])
+    return int(argv[argv.index("--steps") + 1]) if "--steps" in argv[:-1] else None
+
+
+def restart_outcome(fault: dict, last: Optional[int]) -> str:
+    """Restarts: a fault before its attempt's first step hit a start-up; at or after the last step, nothing."""
+    if fault.get("step") is None:
+        return STARTING
+    return ENDED if last is not None and fault["step"] >= last else HIT
+
+
+def incarnation_log(fault: dict, record: dict) -> str:
+    """Live groups: the log of the target group's incarnation the fault hit (its newest start before the fault)."""
+    starts = [r for r in record["restarts"] if r["group"] == fault["target"] and r["at_s"] <= fault["injected_s"]]
+    return starts[-1]["log"] if starts else f"group{fault['target']}.start0.log"
+
+
+def live_outcome(fault: dict, last: Optional[int], logs: Optional[Path], record: dict) -> str:
+    """Live groups: the killed incarnation had committed a step (its log), and the job was not over."""
+    if fault.get("step") is not None and last is not None and fault["step"] >= last:
+        return ENDED
+    log = logs / incarnation_log(fault, record) if logs is not None else None
+    if log is not None and log.exists():
+        return HIT if COMMITTED.search(log.read_text(errors="replace")) else STARTING
+    return STARTING if fault.get("step") is None else HIT  # no log: the job had trained (an upper bound)
+
+
+def restart_costs(record: dict, outcomes: List[str]) -> List[dict]:
+    """Restarts, per fault: the failure each hit ended and what it cost.  An attempt's failure is put on the
+    first kill that hit it (a kill is noticed at once), else on its first fault that hit (a stall or a link down,
+    noticed by the timeout); a later fault in that attempt was overtaken: its cost is already counted."""
+    costs = [{"caused_failure": False, "detect_s": None, "steps_lost": 0} for _ in record["faults"]]
+    for failure in record["failures"]:
+        hits = [i for i, f in enumerate(record["faults"])
+                if f.get("attempt") == failure["attempt"] and outcomes[i] == HIT]
+        if not hits:
+            continue  # the attempt failed while starting: a restart's cost, no step
+        kills = [i for i in hits if record["faults"][i]["kind"] in KILL_KINDS]
+        cause = (kills or hits)[0]
+        costs[cause] = {"caused_failure": True, "steps_lost": failure.get("steps_lost") or 0,
+                        "detect_s": round(failure["at_s"] - record["faults"][cause]["injected_s"], 2)}
+    return costs
+
+
+def live_costs(record: dict, outcomes: List[str]) -> List[dict]:
+    """Live groups, per fault: the injector noticing the killed group's exit, and the job's steps lost.  The
+    job loses steps only when no group was left alive: with no checkpoints it began again at step 0, which the
+    record shows as the step falling after that failure; the failure just before the fall lost its step.  (The
+    killed group's own steps since the last sync are not recorded: averaging, not steps, pays for them.)"""
+    readings = sorted([(f["injected_s"], f["step"]) for f in record["faults"] if f.get("step") is not None]
+                      + [(x["at_s"], x["step"]) for x in record["failures"] if x.get("step") is not None])
+    costs = []
+    for fault, outcome in zip(record["faults"], outcomes):
+        failure = next((x for x in sorted(record["failures"], key=lambda x: x["at_s"])
+                        if x["group"] == fault["target"] and x["at_s"] >= fault["injected_s"]), None)
+        if failure is None or outcome != HIT:
+            costs.append({"caused_failure": False, "detect_s": None, "steps_lost": 0})
+            continue
+        after = [step for t, step in readings if t > failure["at_s"]]
+        fell = failure.get("step") is not None and after and after[0] < failure["step"]
+        costs.append({"caused_failure": True, "detect_s": round(failure["at_s"] - fault["injected_s"], 2),
+                      "steps_lost": failure["step"] if fell else 0})
+    return costs
+
+
+def count_faults(report: dict, logs: Optional[Path] = None) -> List[dict]:
+    """Every injected fault of one recorded run: its kind, whether it hit training (HIT, STARTING, ENDED), and
+    for one that hit, whether it caused a failure (ended an attempt, or a live group), the time to notice it and
+    the steps it cost.  ``logs`` is the faulted run's folder (the live path reads the incarnations' logs there)."""
+    record, last = report["faulted"], last_step(report)
+    live = "groups" in record
+    summarize(record, record.get("summary"), record.get("wall_s", 0.0))  # each failure's steps_lost
+    outcomes = [live_outcome(f, last, logs, record) if live else restart_outcome(f, last) for f in record["faults"]]
+    costs = (live_costs if live else restart_costs)(record, outcomes)
+    return [{"kind": f["kind"], "outcome": o, **c} for f, o, c in zip(record["faults"], outcomes, costs)]
+
+
+def spread(values: List[float]) -> str:
+    """Seed noise in words: the min-max and the standard deviation over seeds, also as % of their mean."""
+    if len(values) < 2:
+        return "one seed: no spread"
+    std = statistics.stdev(values)
+    return (f"{min(values):.4f}-{max(values):.4f} (std {std:.4f}, {100 * std / statistics.mean(values):.1f} % of "
+            f"their mean)")
+
+
+def _fmt_stats(values: List[float], fmt: str) -> str:
+    """mean / median (min-max) of a column of figures, or '-' when there are none."""
+    if not values:
+        return "-"
+    return (f"{statistics.mean(values):{fmt}} / {statistics.median(values):{fmt}} "
+            f"({min(values):{fmt}}-{max(values):{fmt}})")
+
+
+def kind_table(counted: List[dict]) -> str:
+    """A markdown table by fault kind over every run: how many hit training, missed, caused a failure, and
+    the time to detect and the steps lost of those that caused one (mean / median (min-max))."""
+    head = ["kind", "injected", HIT, STARTING, ENDED, "caused a failure",
+            "detect s: mean / median (range)", "steps lost: mean / median (range)"]
+    kinds = sorted({c["kind"] for c in counted})
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for kind in kinds + ["**all**"]:
+        rows = [c for c in counted if kind == "**all**" or c["kind"] == kind]
+        caused = [c for c in rows if c["caused_failure"]]
+        lines.append("| " + " | ".join(str(x) for x in [
+            kind, len(rows), *(sum(c["outcome"] == o for c in rows) for o in (HIT, STARTING, ENDED)), len(caused),
+            _fmt_stats([c["detect_s"] for c in caused], ".2f"),
+            _fmt_stats([c["steps_lost"] for c in caused], ".1f")]) + " |")
+    return "\n".join(lines)
+
+
 def table(paths: List[str]) -> str:
-    """A markdown table of recorded runs (``faults.json`` files): one row per run, then the mean of each numeric
-    column."""
-    rows, live = [], False
+    """Markdown tables of recorded runs (``faults.json`` files): one row per run, then the mean of each numeric
+    column; then the faults by kind (hit training or not, time to detect, steps lost); for live runs, the
+    fault-free runs' spread over seeds beside the loss gap."""
+    rows, counted, live, gaps, fault_free = [], [], False, [], []
     for path in paths:
         report = json.loads(Path(path).read_text())
         f, ref = report["faulted"], report.get("reference") or {}
         live = "groups" in f  # (one kind of run per table)
-        summarize(f, f.get("summary"), f["wall_s"])  # the derived columns, from what was recorded
+        faults = count_faults(report, Path(path).parent / "faulted")  # also derives the columns from the record
+        counted += faults
         seen = f["groups"][0] if live and f["groups"] else (f.get("summary") or {})
         quality = "val_loss" if seen.get("val_loss") is not None else "test_acc"
-        kinds = ", ".join(sorted({x["kind"] for x in f["faults"]}))
+        by = [sum(c["outcome"] == o for c in faults) for o in (HIT, STARTING, ENDED)]
         if live:
-            got = statistics.mean(g[quality] for g in f["groups"])
-            want = statistics.mean(g[quality] for g in ref.get("groups", [])) if ref else None
-            same = ("yes" if f["groups_identical"] else "NO") + f" ({f.get('groups_finished', len(f['groups']))} finished)"
-            redone = "-"
+            got = round(statistics.mean(g[quality] for g in f["groups"]), 4)
+            want = round(statistics.mean(g[quality] for g in ref.get("groups", [])), 4) if ref else None
+            same, lost = identical_cell(f["groups"]), sum(c["steps_lost"] for c in faults)
         else:
             got, want = f["summary"][quality], ref.get("summary", {}).get(quality)
             same = "yes" if ref and f["summary"]["params_sha256"] == ref["summary"]["params_sha256"] else "NO"
-            redone = f["steps_redone"]
-        rows.append([Path(path).parent.name, f"{f['faults_injected']} ({kinds})", len(f["failures"]),
-                     len(f["restarts"]), redone, f["wall_s"], ref.get("wall_s"), got, want, same])
-    head = ["run", "faults injected", "failures", "restarts", "steps redone", "wall s", "fault-free wall s",
-            "final " + ("mean " if live else "") + quality, "fault-free", "groups identical" if live else
-            "bit-identical to fault-free"]
+            lost = f["steps_redone"]
+        gap = f"{100 * (got / want - 1):+.1f} %" if want else "-"
+        if want:
+            gaps.append(100 * (got / want - 1))
+            fault_free.append(want)
+        rows.append([Path(path).parent.name, f["faults_injected"], *by, len(f["failures"]), len(f["restarts"]),
+                     lost, f["wall_s"], ref.get("wall_s"), got, want] + ([gap] if live else []) + [same])
+    head = ["run", "faults injected", HIT, STARTING, ENDED, "failures", "restarts",
+            "steps lost (job started over)" if live else "steps redone", "wall s", "fault-free wall s",
+            "final " + ("mean " if live else "") + quality, "fault-free"] + (
+        ["gap", "groups identical"] if live else ["bit-identical to fault-free"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     if len(rows) > 1:  # the mean over the runs (seeds) of every numeric column
         mean = [f"{statistics.mean(r[i] for r in rows):.4g}" if all(isinstance(r[i], (int, float)) for r in rows)
                 else "" for i in range(1, len(head))]
+        if live and gaps:
+            mean[head.index("gap") - 1] = f"{statistics.mean(gaps):+.1f} %"
         lines.append("| **mean** | " + " | ".join(mean) + " |")
+    lines += ["", kind_table(counted)]
+    if live and fault_free:
+        lines += ["", f"Fault-free final {quality} over the {len(fault_free)} seeds: {spread(fault_free)}; the gap "
+                      f"with faults, per seed: {', '.join(f'{g:+.1f} %' for g in gaps)}."]
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
     commhooks faults --ranks 4 --nodes 2 --mtbf 20 --kinds kill,stall,link-down --seed 0 --reference \\
         --out results/faults-run -- --config configs/qsr_mnist1d.json --steps 3000 --checkpoint-seconds 5
-    commhooks faults --table results/faults-run/faults.json     # a markdown table of recorded runs
+    commhooks faults --table results/faults-run/faults.json     # tables of recorded runs: faults that hit, by kind
 
 Everything after ``--`` goes to ``commhooks train`` on every rank.  The injector plays torchelastic's part (a
 rank that fails ends the attempt; every rank restarts from the newest complete checkpoint, ``--resume auto``)
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from .bench import LabError, NetnsLab, remove_stale_lab
-from .fault_report import summarize, table
+from .fault_report import groups_identical, summarize, table
 from .fault_schedule import KINDS, LINK_KINDS, Fault, parse_at, schedule
 from .injector import Injector, LiveInjector
 
@@ -56,7 +56,7 @@ def run_job(args, train_argv: List[str], out: Path, lab: Optional[NetnsLab], fau
                                                     "val_loss", "syncs")} for s in groups]
         # the groups that finished (one killed near the end may still be rejoining when the others are done)
         record["groups_finished"] = len(groups)
-        record["groups_identical"] = len(groups) >= 1 and len({s["params_sha256"] for s in groups}) == 1
+        record["groups_identical"] = groups_identical(groups)  # None: under two finished, nothing to compare
     if not args.keep_checkpoints:  # a run's record is its logs and summaries; the checkpoints can be large
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     path = out / "summary.rank0.json"
@@ -166,14 +166,16 @@ def main(argv=None) -> int:
     print(f"[faults] {f['faults_injected']} fault(s), {len(f['restarts'])} restart(s), {f.get('steps_redone', 0)} "
           f"step(s) redone, wall {f['wall_s']:.1f}s" + (f" (fault-free {ref['wall_s']:.1f}s)" if ref else ""), flush=True)
     if "groups_identical" in f:
-        print(f"[faults] the live groups ended {'bit-identical' if f['groups_identical'] else 'DIFFERENT'}; heals "
+        ended = {True: "bit-identical", False: "DIFFERENT", None: f"with {f['groups_finished']} group(s) finished: "
+                 "nothing to compare"}[f["groups_identical"]]
+        print(f"[faults] the live groups ended {ended}; heals "
               f"{[g['heals'] for g in f['groups']]}, collectives retried {[g['retries'] for g in f['groups']]}",
               flush=True)
     elif ref and f["summary"] and ref["summary"]:
         same = f["summary"]["params_sha256"] == ref["summary"]["params_sha256"]
         print(f"[faults] final parameters {'bit-identical to' if same else 'DIFFER from'} the fault-free run", flush=True)
         return 0 if same else 1
-    return 0 if f.get("groups_identical", True) else 1
+    return 1 if f.get("groups_identical") is False else 0
 
 
 if __name__ == "__main__":

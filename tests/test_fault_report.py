@@ -1,0 +1,109 @@
+"""Counting what faults cost, from hand-written records: only faults that hit training count (not one during a
+restart's start-up, not one after the last step); each failure is put on the fault that caused it; live groups
+are called identical only where two or more finished, and the loss gap comes with the fault-free seed spread."""
+
+import json
+
+from commhooks.tools.fault_report import (ENDED, HIT, STARTING, count_faults, groups_identical, identical_cell,
+                                          table)
+
+
+def fault(at, kind, target, attempt, step, duration=0.0):
+    return {"at_s": at, "kind": kind, "target": target, "duration_s": duration, "at_step": None,
+            "attempt": attempt, "step": step, "injected_s": at}
+
+
+def restart_report():
+    """Restarts, 100 steps: a kill that hits at step 50; a kill while attempt 1 starts (no step yet); a link down
+    that hits at step 60, then a kill at step 70 in the same attempt (the kill ends it); a link down at step 75
+    noticed 20 s later; a stall once step 100 was reached."""
+    faults = [fault(10.0, "kill", 1, 0, 50), fault(12.0, "kill", 0, 1, None),
+              fault(20.0, "link-down", 1, 2, 60, 25.0), fault(30.0, "kill-node", 0, 2, 70),
+              fault(40.0, "link-down", 0, 3, 75, 25.0), fault(70.0, "stall", 2, 4, 100, 25.0)]
+    failures = [{"attempt": 0, "at_s": 10.1, "failed_ranks": [1], "step": 50},
+                {"attempt": 1, "at_s": 12.05, "failed_ranks": [0], "step": None},
+                {"attempt": 2, "at_s": 30.05, "failed_ranks": [0, 1], "step": 70},
+                {"attempt": 3, "at_s": 60.0, "failed_ranks": [0], "step": 78}]
+    restarts = [{"attempt": 1, "at_s": 11.0, "resumed_from": None}, {"attempt": 2, "at_s": 14.0, "resumed_from": 40},
+                {"attempt": 3, "at_s": 32.0, "resumed_from": 60}, {"attempt": 4, "at_s": 62.0, "resumed_from": 70}]
+    summary = {"steps": 100, "val_loss": 2.0, "params_sha256": "a"}
+    return {"argv": [], "faulted": {"faults": faults, "failures": failures, "restarts": restarts, "wall_s": 80.0,
+                                    "summary": summary},
+            "reference": {"wall_s": 50.0, "summary": dict(summary)}}
+
+
+def test_restarts_count_only_faults_that_hit_training_and_put_each_failure_on_its_cause():
+    counted = count_faults(restart_report())
+    assert [c["outcome"] for c in counted] == [HIT, STARTING, HIT, HIT, HIT, ENDED]
+    # the kill at step 50 and the kill-node at step 70 ended their attempts at once; the link down before that
+    # kill was overtaken (its attempt's cost is the kill's); the link down at step 75 was noticed 20 s later
+    assert [c["caused_failure"] for c in counted] == [True, False, False, True, True, False]
+    assert [c["detect_s"] for c in counted] == [0.1, None, None, 0.05, 20.0, None]
+    # steps lost: back to the step the next attempt resumed from (attempt 1 found no checkpoint and never trained)
+    assert [c["steps_lost"] for c in counted] == [10, 0, 0, 10, 8, 0]
+
+
+def test_restart_table_counts_hits_apart_from_misses(tmp_path):
+    for seed in (0, 1):
+        (tmp_path / f"seed{seed}").mkdir()
+        (tmp_path / f"seed{seed}" / "faults.json").write_text(json.dumps(restart_report()))
+    out = table([str(tmp_path / f"seed{s}" / "faults.json") for s in (0, 1)])
+    # run | injected | hit training | hit a start-up | after the last step | failures | restarts | steps redone
+    assert "| seed0 | 6 | 4 | 1 | 1 | 4 | 4 | 28 |" in out, out
+    assert "| kill | 4 | 2 | 2 | 0 | 2 | 0.10 / 0.10 (0.10-0.10) | 10.0 / 10.0 (10.0-10.0) |" in out, out
+    assert "| stall | 2 | 0 | 0 | 2 | 0 | - | - |" in out, out
+    assert "| **all** | 12 | 8 | 2 | 2 | 6 |" in out, out
+
+
+def test_groups_are_called_identical_only_where_two_finished():
+    a, b = {"params_sha256": "a"}, {"params_sha256": "b"}
+    assert groups_identical([a]) is None and groups_identical([]) is None
+    assert groups_identical([a, dict(a)]) is True and groups_identical([a, b]) is False
+    assert identical_cell([a]) == "n/a (1 group finished)"
+    assert identical_cell([a, dict(a)]) == "yes (2 finished)" and identical_cell([a, b]) == "NO (2 finished)"
+
+
+def live_report(tmp_path, groups, loss, ref_loss):
+    """Live groups, 100 steps: group 1 killed at step 30 (it had committed steps), restarted, killed again 0.5 s
+    later while starting (its log has no commit), restarted; then group 0 killed at step 60 while group 1 was still
+    joining: no group alive, the job began again at 0 (the next step read is 20)."""
+    logs = tmp_path / "faulted"
+    logs.mkdir(parents=True)
+    committed = "[INFO] [torchft::manager] - [Replica group1] should_commit completed should_commit=true\n"
+    (logs / "group0.start0.log").write_text(committed.replace("group1", "group0"))
+    (logs / "group1.start0.log").write_text(committed)
+    (logs / "group1.start1.log").write_text("[INFO] [torchft::manager] - [Replica group1] Start quorum\n")
+    (logs / "group1.start2.log").write_text("[INFO] [torchft::manager] - [Replica group1] Start quorum\n")
+    faults = [fault(3.0, "kill", 1, 0, 30), fault(5.5, "kill", 1, 1, 33), fault(8.0, "kill", 0, 2, 60),
+              fault(20.0, "kill", 1, 3, 20), fault(40.0, "kill", 0, 4, 100)]
+    failures = [{"group": 1, "at_s": 3.05, "step": 30}, {"group": 1, "at_s": 5.55, "step": 33},
+                {"group": 0, "at_s": 8.05, "step": 60}]
+    restarts = [{"group": 1, "at_s": 5.0, "log": "group1.start1.log"},
+                {"group": 1, "at_s": 7.5, "log": "group1.start2.log"}]
+    record = {"faults": faults, "failures": failures, "restarts": restarts, "wall_s": 45.0, "summary": {},
+              "groups": [{"params_sha256": "a", "val_loss": loss}] * groups}
+    report = {"argv": ["faults", "--", "--steps", "100"], "faulted": record,
+              "reference": {"wall_s": 30.0, "groups": [{"params_sha256": "r", "val_loss": ref_loss}] * 2}}
+    (tmp_path / "faults.json").write_text(json.dumps(report))
+    return report, logs
+
+
+def test_live_faults_that_hit_a_starting_group_or_the_end_do_not_count(tmp_path):
+    report, logs = live_report(tmp_path, 1, 2.0, 2.0)
+    counted = count_faults(report, logs)
+    # the fourth kill hit group 1's third start, which never committed; the last came at step 100
+    assert [c["outcome"] for c in counted] == [HIT, STARTING, HIT, STARTING, ENDED]
+    assert [c["steps_lost"] for c in counted] == [0, 0, 60, 0, 0]  # only the kill that left no group alive
+    assert [c["detect_s"] for c in counted] == [0.05, None, 0.05, None, None]
+
+
+def test_live_table_puts_the_fault_free_seed_spread_beside_the_gap(tmp_path):
+    paths = []
+    for seed, (groups, loss, ref) in enumerate([(2, 2.04, 2.0), (1, 2.2, 2.2)]):
+        live_report(tmp_path / f"seed{seed}", groups, loss, ref)
+        paths.append(str(tmp_path / f"seed{seed}" / "faults.json"))
+    out = table(paths)
+    assert "| +2.0 % | yes (2 finished) |" in out and "| +0.0 % | n/a (1 group finished) |" in out, out
+    assert "| **mean** | 5 | 2 | 2 | 1 |" in out and "+1.0 % |  |" in out, out
+    # the fault-free losses 2.0 and 2.2: std 0.1414, 6.7 % of their mean 2.1
+    assert "Fault-free final val_loss over the 2 seeds: 2.0000-2.2000 (std 0.1414, 6.7 % of their mean)" in out, out
