@@ -579,63 +579,15 @@ def title(results: dict) -> str:
     return f"{workload}, {where}, {s['steps']} steps{engine}"
 
 
-def accuracy_points(results: dict) -> dict:
-    """What ``accuracy_vs_bytes.png`` plots: per method (bytes, quality), with the axes' labels.  Bytes are those of
-    :func:`compared_bytes` (with nodes: what crosses the node links), quality the mean of the seeds where there
-    are several."""
-    metric = quality_metric(results)
-    points = {}
-    for name, m in results["methods"].items():
-        x = compared_bytes(results, m)
-        if x:
-            points[name] = (x, m.get("quality_mean") or m[metric])
-    label = "test accuracy" if metric == "test_acc" else "validation loss (nats/byte)"
-    seeds = results["setup"].get("seeds") or []
-    return {"x": bytes_label(results), "y": label + (f", mean of {len(seeds)} seeds" if len(seeds) > 1 else ""),
-            "points": points}
-
-
 def plots(results: dict, out: Path) -> List[str]:
-    import matplotlib
+    """The run's two pictures (figures.py): quality against bytes with the seeds' range, time against bandwidth
+    with the repeats' interval."""
+    from .figures import plots as draw
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    methods, bws = results["methods"], results["setup"]["bandwidths"]
-    points = accuracy_points(results)
-    (out / "accuracy_vs_bytes.json").write_text(json.dumps(points, indent=2) + "\n")  # the plotted values
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, (x, y) in points["points"].items():
-        ax.scatter(x / 1e6, y, s=40)
-        ax.annotate(name, (x / 1e6, y), fontsize=8, xytext=(4, 2), textcoords="offset points")
-    ax.set_xscale("log")
-    ax.set_xlabel(points["x"])
-    ax.set_ylabel(points["y"])
-    ax.set_title(title(results))
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "accuracy_vs_bytes.png", dpi=120)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    colours = plt.get_cmap("tab20")
-    for i, (name, m) in enumerate(methods.items()):
-        ours = "--config" in METHODS.get(name, [])  # commhooks solid, anchors dashed
-        ax.plot(range(len(bws)), [m["step_ms"][bw] for bw in bws], marker="o" if ours else "s",
-                linestyle="-" if ours else "--", color=colours(i % 20), label=name)
-    ax.set_xticks(range(len(bws)), bws)
-    ax.set_yscale("log")
-    import textwrap
-
-    ax.set_xlabel("\n".join(textwrap.wrap(f"link per {'node' if across_nodes(results) else 'rank'} "
-                                          f"({results['setup']['network']})", 70)), fontsize=9)
-    ax.set_title(title(results))
-    ax.set_ylabel("time per optimizer step (ms, log)")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "time_vs_bandwidth.png", dpi=120)
-    plt.close(fig)
-    return ["accuracy_vs_bytes.png", "time_vs_bandwidth.png"]
+    return draw(results, out, metric=quality_metric(results), x_of=lambda m: compared_bytes(results, m),
+                x_label=bytes_label(results), heading=title(results),
+                link=f"link per {'node' if across_nodes(results) else 'rank'} ({results['setup']['network']})",
+                ours={n for n, a in METHODS.items() if "--config" in a})
 
 
 def parse_args(argv=None):
