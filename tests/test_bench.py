@@ -130,6 +130,22 @@ def test_quality_and_time_apart_and_held_out_seeds(tmp_path):
     assert "the schedule's first 10 steps" in text and "chosen on seeds 0" in text, text
 
 
+def test_a_timing_window_that_shared_the_machine_is_flagged():
+    """A process the bench did not start (here one not yet reaped, so not counted as its own) burning a core
+    during the window: ``others_cores`` counts it, ``shared`` flags it, the table says so."""
+    from commhooks.tools.bench import cpu_clock, machine_load, provenance_line
+
+    before = cpu_clock()
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                               "while time.process_time() - t < 1.5: pass"])
+    time.sleep(2.0)  # the burner is done, but not reaped: its CPU is not yet the bench's children's
+    load = machine_load(before, cpu_clock())
+    burner.wait()
+    assert load["others_cores"] >= 0.5 and load["shared"] is True, load
+    setup = {"commit": "a" * 40, "dirty": False, "date": "2026-12-06", "load": {"100mbit": load}}
+    assert "SHARED: other processes used the CPU during the timing at 100mbit" in provenance_line({"setup": setup})
+
+
 def test_bad_bench_arguments_are_refused_naming_the_flag():
     for bad, flag in ((["--search-seeds", "0,1"], "--search-seeds"), (["--search-seeds", "3"], "--search-seeds"),
                       (["--time-steps", "5"], "--time-steps"), (["--repeats", "0"], "--repeats")):

@@ -452,10 +452,31 @@ def add_ratios(results: dict, target: Optional[float] = None) -> None:
                 "ddp over this": timing.paired_ratio(ddp["step_ms_paces"][bw], own) if under_ddp else None}
 
 
-def machine_load(before: float, after: float, ranks: int) -> dict:
-    """The 1-minute load average around a link setting's runs: ``shared`` when it stayed above the bench's own
-    ranks (something else ran beside it, and its times are suspect)."""
-    return {"before": round(before, 2), "after": round(after, 2), "shared": before > 0.5 or after > ranks + 0.5}
+def cpu_clock() -> dict:
+    """Now: the machine's busy CPU seconds (all cores, from /proc/stat), this process's and its reaped children's
+    (the bench's ranks), the 1-minute load average and the wall clock; ``machine_load`` compares two."""
+    busy = None
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+    except (OSError, ValueError, IndexError):
+        pass
+    t = os.times()
+    return {"busy": busy, "own": t.user + t.system + t.children_user + t.children_system,
+            "load": os.getloadavg()[0], "wall": time.monotonic()}
+
+
+def machine_load(before: dict, after: dict, threshold: float = 0.25) -> dict:
+    """What else ran during a link setting's runs: the CPU the machine spent beyond the bench and its ranks, in
+    cores on average (``others_cores``); ``shared`` where it exceeds ``threshold`` (its times are suspect).  The
+    1-minute load averages around it are kept too, but they lag by a minute (a job that ended just before the
+    bench started still shows in ``load_before``), so they decide nothing."""
+    wall = max(after["wall"] - before["wall"], 1e-9)
+    others = None if before["busy"] is None else \
+        max(0.0, (after["busy"] - before["busy"]) - (after["own"] - before["own"])) / wall
+    return {"load_before": round(before["load"], 2), "load_after": round(after["load"], 2),
+            "others_cores": None if others is None else round(others, 3),
+            "shared": None if others is None else others > threshold}
 
 
 def cross_node_payload(by_group: Optional[Dict[str, int]], per_node: int) -> Optional[float]:
@@ -559,6 +580,10 @@ def provenance_line(results: dict) -> str:
     code = f"commit {s['commit'][:7]}" + (" with uncommitted changes" if s.get("dirty") else "") if s.get("commit") \
         else "commit not recorded"
     text = f"One run, {code}, {s.get('date', 'undated')}; config = the first 8 hex digits of its SHA-256."
+    shared = [bw for bw, load in (s.get("load") or {}).items() if load.get("shared")]
+    if shared:
+        text += (f" SHARED: other processes used the CPU during the timing at {', '.join(shared)} "
+                 f"({', '.join(str(s['load'][bw].get('others_cores')) for bw in shared)} cores): those times are suspect.")
     if "time_steps" not in s:
         return text + " Recorded before the quality and time runs were apart: time and quality from the same runs."
     window = "the whole schedule" if s["time_steps"] == s["steps"] else f"the schedule's first {s['time_steps']} steps"
@@ -733,10 +758,10 @@ def _run(args, out: Path) -> int:
             shaping = lab.shape(bw, args.delay) if lab else "none"
             results["setup"].setdefault("shaping", {})[bw] = shaping
             print(f"[bench] link {bw}: {shaping} ({network}), {args.repeats} repeat(s)", flush=True)
-            before = os.getloadavg()[0]
+            before = cpu_clock()
             timed[bw] = run_bandwidth(args.methods, args, lab, out / f"time-{bw}", args.timeout,
                                       stop_after=args.time_steps)
-            results["setup"]["load"][bw] = machine_load(before, os.getloadavg()[0], args.ranks)
+            results["setup"]["load"][bw] = machine_load(before, cpu_clock())
         if "unlimited" in timed and args.time_steps == args.steps:  # a whole run of the first seed, unlimited
             by_seed[args.seeds[0]] = timed["unlimited"]
         for seed in [x for x in args.seeds if x not in by_seed]:  # quality: full runs, the link does not change it
