@@ -57,19 +57,24 @@ def test_quick_bench_has_every_field_for_every_method(tmp_path):
 
 
 def test_repeats_give_paired_ratios_with_an_interval(tmp_path):
-    """Three interleaved repeats: each method's pace per repeat, its ratio to compute-only's pace of the same
-    repeat, and the median's interval in the table (resolved or not: 20 steps resolve nothing reliably)."""
+    """Three interleaved repeats, each qsr run between two compute-only runs (F Q F Q F Q F): each method's pace
+    per run, qsr's ratio to the geometric mean of the compute-only runs around it, and the median's interval in
+    the table (resolved or not: 20 steps resolve nothing reliably)."""
     results, _, _ = bench(["--quick", "--repeats", "3", "--methods", "compute-only,qsr"], tmp_path, timeout=300)
     floor, qsr = results["methods"]["compute-only"], results["methods"]["qsr"]
-    for m in (floor, qsr):
+    assert results["setup"]["pairing"] == "bracketed"
+    for m, runs in ((floor, 4), (qsr, 3)):
         by_rank = m["step_ms_repeats_by_rank"]["unlimited"]
-        assert len(by_rank) == 2 and all(len(times) == 3 for times in by_rank), by_rank
+        assert len(by_rank) == 2 and all(len(times) == runs for times in by_rank), by_rank
     paces = floor["step_ms_paces"]["unlimited"]
-    assert paces == [sum(r[k] for r in floor["step_ms_repeats_by_rank"]["unlimited"]) / 2 for k in range(3)]
+    assert paces == [sum(r[k] for r in floor["step_ms_repeats_by_rank"]["unlimited"]) / 2 for k in range(4)]
     assert qsr["step_ms_paces"]["unlimited"] == [max(r[k] for r in qsr["step_ms_repeats_by_rank"]["unlimited"])
                                                  for k in range(3)]
     ratio = qsr["ratios"]["unlimited"]["vs compute-only"]
-    assert ratio["ratios"] == pytest.approx([q / f for q, f in zip(qsr["step_ms_paces"]["unlimited"], paces)])
+    assert ratio["ratios"] == pytest.approx([q / (paces[k] * paces[k + 1]) ** 0.5
+                                             for k, q in enumerate(qsr["step_ms_paces"]["unlimited"])])
+    spec = list(json.loads((tmp_path / "time-unlimited" / "spec.json").read_text()))
+    assert spec == ["compute-only", "qsr", "compute-only#1", "qsr#1", "compute-only#2", "qsr#2", "compute-only#3"]
     assert ratio["lo"] <= ratio["median"] <= ratio["hi"] and ratio["repeats"] == 3
     row = next(line for line in (tmp_path / "table.md").read_text().splitlines() if line.startswith("| qsr |"))
     assert f"{ratio['median']:.2f}x [{ratio['lo']:.2f}-{ratio['hi']:.2f}]" in row, row
@@ -92,6 +97,15 @@ def test_a_ratio_is_resolved_only_when_its_interval_clears_one_and_the_target():
     assert timing.pace([4.62, 7.10], independent=False) == 7.10  # ranks that sync: the slowest
     with pytest.raises(ValueError, match="paired repeats differ"):
         timing.paired_ratio([1.0, 2.0], [1.0])
+    # each method between two compute-only runs; a drift of the machine's speed cancels in the bracketed ratio
+    order = timing.bracketed_order(["ddp", "compute-only", "a"], 2)
+    assert order == [("compute-only", 0), ("ddp", 0), ("compute-only", 1), ("a", 0), ("compute-only", 2),
+                     ("ddp", 1), ("compute-only", 3), ("a", 1), ("compute-only", 4)]
+    assert timing.brackets(order, "a") == [(1, 2), (3, 4)] and timing.brackets(order, "ddp") == [(0, 1), (2, 3)]
+    drifting = [3.0, 3.5, 4.0, 4.5, 5.0]  # the floor slows by 0.5 ms a run; "a" costs 1.1x wherever it runs
+    steady = timing.bracketed_ratio([1.1 * 3.75, 1.1 * 4.75], drifting, timing.brackets(order, "a"))
+    assert steady["median"] == pytest.approx(1.1, rel=2e-3) and steady["hi"] - steady["lo"] < 2e-3
+    assert timing.bracketed_order(["compute-only", "a"], 1) == [("compute-only", 0), ("a", 0)]
 
 
 def test_seeds_give_each_method_its_quality_per_seed_and_the_mean(tmp_path):

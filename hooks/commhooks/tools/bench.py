@@ -111,7 +111,7 @@ METHODS: Dict[str, List[str]] = {
     "qsr-nosync": ["--config", "configs/qsr_nosync_mnist1d.json"],  # syncs switched off: commhooks' per-step floor
     "compute-only": ["--hook", "compute-only"],
 }
-DEFAULT_REPEATS = 7  # DESIGN section 18; measured in results/bench-protocol-mnist1d-2026-12-06
+DEFAULT_REPEATS = 9  # DESIGN section 18: the intervals this gives, and what more repeats did: results/bench-protocol-mnist1d-2026-12-06
 CONTROLS = ("qsr-nosync",)  # methods that measure a floor, never one to choose (the planner's list leaves them out)
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
 
@@ -292,9 +292,11 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
     if stop_after is not None and stop_after < args.steps:
         common += ["--stop-after", str(stop_after)]
     repeats = getattr(args, "repeats", 1) if repeats is None else repeats
-    runs_of = {name: [name] + [f"{name}#{k}" for k in range(1, repeats)] for name in methods}
-    spec = {run: method_argv(name, args.model, getattr(args, "engine", "ddp")) + common + ["--label", name, "--json-out", str(out / f"{run}.rank{{rank}}.json")]
-            for k in range(repeats) for name in methods for run in [runs_of[name][k]]}  # repeats interleaved
+    order = timing.bracketed_order(methods, repeats)  # repeats interleaved, each method between two floor runs
+    label = {(name, k): name if k == 0 else f"{name}#{k}" for name, k in order}
+    runs_of = {name: [label[(n, k)] for n, k in sorted(o for o in order if o[0] == name)] for name in methods}
+    spec = {label[(name, k)]: method_argv(name, args.model, getattr(args, "engine", "ddp")) + common +
+            ["--label", name, "--json-out", str(out / f"{label[(name, k)]}.rank{{rank}}.json")] for name, k in order}
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
     port = free_port("127.0.0.1")
@@ -441,15 +443,23 @@ def add_ratios(results: dict, target: Optional[float] = None) -> None:
     methods = results["methods"]
     targets = (1.0,) if target is None else (1.0, target)
     floor, ddp = methods.get("compute-only"), methods.get("ddp")
-    for m in methods.values():
+    # runs since 2026-12-06's bracketing: each method between two compute-only runs (timing.bracketed_order)
+    order = timing.bracketed_order(list(methods), results["setup"].get("repeats", 1)) \
+        if results["setup"].get("pairing") == "bracketed" else None
+    for name, m in methods.items():
         over_floor = floor is not None and floor is not m  # a baseline against itself: None (the table's "-")
         under_ddp = ddp is not None and ddp is not m
         m["ratios"] = {}
         for bw, own in m["step_ms_paces"].items():
-            m["ratios"][bw] = {
-                "vs compute-only": timing.paired_ratio(own, floor["step_ms_paces"][bw], targets) if over_floor
-                else None,
-                "ddp over this": timing.paired_ratio(ddp["step_ms_paces"][bw], own) if under_ddp else None}
+            if not over_floor:
+                vs_floor = None
+            elif order is not None:
+                vs_floor = timing.bracketed_ratio(own, floor["step_ms_paces"][bw], timing.brackets(order, name),
+                                                  targets)
+            else:
+                vs_floor = timing.paired_ratio(own, floor["step_ms_paces"][bw], targets)
+            m["ratios"][bw] = {"vs compute-only": vs_floor,
+                               "ddp over this": timing.paired_ratio(ddp["step_ms_paces"][bw], own) if under_ddp else None}
 
 
 def cpu_clock() -> dict:
@@ -589,7 +599,8 @@ def provenance_line(results: dict) -> str:
     window = "the whole schedule" if s["time_steps"] == s["steps"] else f"the schedule's first {s['time_steps']} steps"
     seeds = s.get("seeds") or [s.get("seed", 0)]
     return (text + f" Time: {s.get('repeats', 1)} interleaved repeat(s) of {window} per link setting, each timed "
-            f"after its first tenth; ratios paired per repeat, median [95 % bootstrap interval], resolved where "
+            f"after its first tenth, each between two compute-only runs; ratios paired per repeat (against "
+            f"compute-only: the geometric mean of the runs around it), median [95 % bootstrap interval], resolved where "
             f"the interval clears 1.0{' and the target ' + str(s['target']) if s.get('target') else ''}. "
             f"Quality: full runs on an unlimited link, seed(s) {', '.join(map(str, seeds))}"
             + (f"; the configurations were chosen on seeds {', '.join(map(str, s['search_seeds']))}."
@@ -644,7 +655,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None,
                    help="run each method this many times per link setting, interleaved: each repeat gives a paired "
                         "ratio against compute-only and DDP, the table their median and 95 %% interval (and 'not "
-                        "resolved' where it holds 1.0); default 7, 1 with --quick")
+                        "resolved' where it holds 1.0); default 9, 1 with --quick")
     p.add_argument("--pin", choices=("auto", "off"), default="auto",
                    help="auto: each rank pinned to a core of its own where the ranks fit on the cores (recorded)")
     p.add_argument("--bandwidths", default=",".join(BANDWIDTHS), help="comma list of tc rates at which to time the methods")
@@ -750,7 +761,7 @@ def _run(args, out: Path) -> int:
         results = {"setup": {"ranks": args.ranks, "nodes": lab.nodes if lab else args.nodes, "steps": args.steps,
                              "time_steps": args.time_steps, "model": args.model, "engine": args.engine,
                              "seed": args.seed, "seeds": args.seeds, "search_seeds": args.search_seeds,
-                             "repeats": args.repeats, "target": args.target,
+                             "repeats": args.repeats, "target": args.target, "pairing": "bracketed" if args.repeats > 1 and "compute-only" in args.methods else "rounds",
                              "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
                              "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), **provenance.commit(),
                              "pinned": pinned(args), "load": {}}, "methods": {}}

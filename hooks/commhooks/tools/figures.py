@@ -305,10 +305,17 @@ def _number_format(v, _pos=None) -> str:
 
 
 def _plain_log_axis(axis) -> None:
-    """Ticks at 1, 2, 5 times the powers of ten, written as plain numbers (10, 20, 50; 0.1, 0.2, 0.5)."""
+    """Ticks at 1, 2, 5 times the powers of ten, written as plain numbers (10, 20, 50; 0.1, 0.2, 0.5); at the
+    powers of ten only where the axis spans more than 3 of them (their labels would run into each other), and at
+    every other one beyond 7.  Call it once the axis's limits are set."""
+    import math
+
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    lo, hi = sorted(axis.get_view_interval())
+    decades = math.log10(hi / lo) if lo > 0 else 0.0
+    subs = (1.0, 2.0, 5.0) if decades <= 3 else (1.0,)
+    axis.set_major_locator(LogLocator(base=10, subs=subs, numticks=6 if decades > 7 else 12))
     axis.set_major_formatter(FuncFormatter(_number_format))
     axis.set_minor_formatter(NullFormatter())
 
@@ -339,7 +346,6 @@ def draw_quality(data: dict, path: Path, heading: str, sub: str, ours: Collectio
                     capsize=3, elinewidth=1.1, markeredgecolor="black" if base else "white", markeredgewidth=0.6,
                     zorder=3)
     ax.set_xscale("log")
-    _plain_log_axis(ax.xaxis)
     ax.set_xlabel(data["x"], fontsize=10)
     ax.set_ylabel("\n".join(textwrap.wrap(data["y"], 48)), fontsize=10)
     ax.grid(alpha=0.3, which="major")
@@ -347,6 +353,7 @@ def draw_quality(data: dict, path: Path, heading: str, sub: str, ours: Collectio
     every_y = every_y or [0.0, 1.0]
     span = (max(every_y) - min(every_y)) or abs(max(every_y)) * 0.05 or 1.0
     ax.set_xlim(lo_x / 10 ** 0.35, hi_x * 10 ** 0.35)
+    _plain_log_axis(ax.xaxis)
     ax.set_ylim(min(every_y) - 0.1 * span, max(every_y) + 0.1 * span)  # room for labels above and below
     _headings(fig, ax, heading, sub)
     handles = [Line2D([], [], linestyle=":", marker="s", color="black", label="ddp (baseline)"),

@@ -9,7 +9,10 @@ never wait for each other, can land anywhere from 0.85x to 1.39x for the same co
   Ranks that sync are held to the slowest one at every sync, so the **slowest** rank is the pace.
 * **Paired ratios.** The bench runs every method once per repeat, interleaved (method A, B, C, then A, B, C
   again), so repeat ``k`` of a method and repeat ``k`` of its baseline shared the machine's state of that moment.
-  Each repeat gives one ratio; the figure is the median of those ratios.
+  Against compute-only the pairing is tighter: each method's run sits between two compute-only runs (F A F B F
+  ..., :func:`bracketed_order`) and is divided by their geometric mean, which cancels a drift of the machine's
+  speed (on 2026-12-06 it drifted by 60 % in 8 minutes with nothing else running; bracketing cut the intervals
+  of a 25-repeat run from +-5-6 % to +-2-4 %).  Each repeat gives one ratio; the figure is the median of them.
 * **An interval.** A 95 % percentile bootstrap of the median over the repeats (resampled with a fixed seed, so a
   rerun of the table prints the same interval).  With 5 repeats it is about the range of the ratios (each end
   is the median of a resample more than 2.5 % of the time); with 9 it spans about the 2nd to the 8th.
@@ -65,6 +68,36 @@ def paired_ratio(method: Sequence[float], baseline: Sequence[float], targets: Se
     median, lo, hi = median_interval(ratios)
     resolved = len(ratios) > 1 and not any(lo <= t <= hi for t in targets)
     return {"median": median, "lo": lo, "hi": hi, "ratios": ratios, "repeats": len(ratios), "resolved": resolved}
+
+
+def bracketed_order(methods: Sequence[str], repeats: int, floor: str = "compute-only") -> List[Tuple[str, int]]:
+    """(method, its k-th run) in the order the runs go.  Every repeat runs each method once; where ``floor`` is
+    among them, every other method's run sits between two runs of the floor (A B A: the floor runs once before
+    each of them and once more at the very end), so a machine whose speed drifts during the repeats (measured
+    2026-12-06: compute-only's pace went from 3.1 to 5.0 ms a step over 8 minutes, nothing else running) is
+    compared with the floor at that moment, not a method's length of time earlier."""
+    others = [m for m in methods if m != floor]
+    if floor not in methods or not others or repeats < 2:  # one repeat resolves nothing: no extra floor runs
+        return [(m, k) for k in range(repeats) for m in methods]
+    order, f = [], 0
+    for k in range(repeats):
+        for m in others:
+            order += [(floor, f), (m, k)]
+            f += 1
+    return order + [(floor, f)]
+
+
+def brackets(order: Sequence[Tuple[str, int]], method: str) -> List[Tuple[int, int]]:
+    """For each run of ``method`` in :func:`bracketed_order`'s order, the floor's runs just before and after it."""
+    runs = [p for p, (m, _) in enumerate(order) if m == method]
+    return [(order[p - 1][1], order[p + 1][1]) for p in runs]
+
+
+def bracketed_ratio(method: Sequence[float], floor: Sequence[float], around: Sequence[Tuple[int, int]],
+                    targets: Sequence[float] = (1.0,)) -> Dict:
+    """:func:`paired_ratio` of each run of ``method`` over the geometric mean of the floor's runs around it (a
+    linear drift of the machine's speed cancels)."""
+    return paired_ratio(method, [(floor[a] * floor[b]) ** 0.5 for a, b in around], targets)
 
 
 def describe(ratio: Optional[Dict]) -> str:
