@@ -60,25 +60,30 @@ def test_repeats_give_paired_ratios_with_an_interval(tmp_path):
     """Three interleaved repeats, each qsr run between two compute-only runs (F Q F Q F Q F): each method's pace
     per run, qsr's ratio to the geometric mean of the compute-only runs around it, and the median's interval in
     the table (resolved or not: 20 steps resolve nothing reliably)."""
-    results, _, _ = bench(["--quick", "--repeats", "3", "--methods", "compute-only,qsr"], tmp_path, timeout=300)
-    floor, qsr = results["methods"]["compute-only"], results["methods"]["qsr"]
+    results, _, _ = bench(["--quick", "--repeats", "3", "--methods", "compute-only,qsr,ddp"], tmp_path, timeout=300)
+    floor, qsr, ddp = (results["methods"][k] for k in ("compute-only", "qsr", "ddp"))
     assert results["setup"]["pairing"] == "bracketed"
-    for m, runs in ((floor, 4), (qsr, 3)):
+    for m, runs in ((floor, 7), (qsr, 3), (ddp, 3)):
         by_rank = m["step_ms_repeats_by_rank"]["unlimited"]
         assert len(by_rank) == 2 and all(len(times) == runs for times in by_rank), by_rank
     paces = floor["step_ms_paces"]["unlimited"]
-    assert paces == [sum(r[k] for r in floor["step_ms_repeats_by_rank"]["unlimited"]) / 2 for k in range(4)]
+    assert paces == [sum(r[k] for r in floor["step_ms_repeats_by_rank"]["unlimited"]) / 2 for k in range(7)]
     assert qsr["step_ms_paces"]["unlimited"] == [max(r[k] for r in qsr["step_ms_repeats_by_rank"]["unlimited"])
                                                  for k in range(3)]
     ratio = qsr["ratios"]["unlimited"]["vs compute-only"]
-    assert ratio["ratios"] == pytest.approx([q / (paces[k] * paces[k + 1]) ** 0.5
+    assert ratio["ratios"] == pytest.approx([q / (paces[2 * k] * paces[2 * k + 1]) ** 0.5
                                              for k, q in enumerate(qsr["step_ms_paces"]["unlimited"])])
     spec = list(json.loads((tmp_path / "time-unlimited" / "spec.json").read_text()))
-    assert spec == ["compute-only", "qsr", "compute-only#1", "qsr#1", "compute-only#2", "qsr#2", "compute-only#3"]
+    assert spec == ["compute-only", "qsr", "compute-only#1", "ddp", "compute-only#2", "qsr#1", "compute-only#3",
+                    "ddp#1", "compute-only#4", "qsr#2", "compute-only#5", "ddp#2", "compute-only#6"], spec
+    # compute-only ran 7 times, DDP 3: DDP over compute-only divides each DDP run by the runs around it
+    paces = floor["step_ms_paces"]["unlimited"]
+    assert floor["ratios"]["unlimited"]["ddp over this"]["ratios"] == pytest.approx(
+        [d / (paces[2 * k + 1] * paces[2 * k + 2]) ** 0.5 for k, d in enumerate(ddp["step_ms_paces"]["unlimited"])])
     assert ratio["lo"] <= ratio["median"] <= ratio["hi"] and ratio["repeats"] == 3
     row = next(line for line in (tmp_path / "table.md").read_text().splitlines() if line.startswith("| qsr |"))
-    assert f"{ratio['median']:.2f}x [{ratio['lo']:.2f}-{ratio['hi']:.2f}]" in row, row
-    assert ("not resolved" in row) == (ratio["lo"] <= 1.0 <= ratio["hi"]), row
+    word = "not resolved" if ratio["lo"] <= 1.0 <= ratio["hi"] else "resolved"
+    assert f"| {ratio['median']:.2f}x [{ratio['lo']:.2f}-{ratio['hi']:.2f}] {word} |" in row, row
 
 
 def test_a_ratio_is_resolved_only_when_its_interval_clears_one_and_the_target():
@@ -165,14 +170,14 @@ def test_bad_bench_arguments_are_refused_naming_the_flag():
                       (["--time-steps", "5"], "--time-steps"), (["--repeats", "0"], "--repeats")):
         proc = subprocess.run([sys.executable, "-m", "commhooks.cli", "bench", "--quick", "--seeds", "0,1", *bad],
                               cwd=REPO, capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 2 and flag in proc.stderr, (bad, proc.stderr[-500:])
+        assert proc.returncode == 2 and f"error: {flag}" in proc.stderr.splitlines()[-1], (bad, proc.stderr[-500:])
 
 
 def test_bad_seeds_are_refused_naming_the_flag():
     for bad in ("0,0", "a,1", ","):
         proc = subprocess.run([sys.executable, "-m", "commhooks.cli", "bench", "--quick", "--seeds", bad],
                               cwd=REPO, capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 2 and "--seeds" in proc.stderr, (bad, proc.stderr[-500:])
+        assert proc.returncode == 2 and "error: --seeds" in proc.stderr.splitlines()[-1], (bad, proc.stderr[-500:])
 
 
 def _syncs_over_schedule(config_file, model, steps):

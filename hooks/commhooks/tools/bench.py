@@ -458,8 +458,14 @@ def add_ratios(results: dict, target: Optional[float] = None) -> None:
                                                   targets)
             else:
                 vs_floor = timing.paired_ratio(own, floor["step_ms_paces"][bw], targets)
-            m["ratios"][bw] = {"vs compute-only": vs_floor,
-                               "ddp over this": timing.paired_ratio(ddp["step_ms_paces"][bw], own) if under_ddp else None}
+            if not under_ddp:
+                over_ddp = None
+            elif order is not None and m is floor:  # compute-only ran more often: DDP over the runs around it
+                over_ddp = timing.paired_ratio(ddp["step_ms_paces"][bw], timing.bracketing(
+                    own, timing.brackets(order, "ddp")))
+            else:
+                over_ddp = timing.paired_ratio(ddp["step_ms_paces"][bw], own)
+            m["ratios"][bw] = {"vs compute-only": vs_floor, "ddp over this": over_ddp}
 
 
 def cpu_clock() -> dict:
@@ -598,9 +604,11 @@ def provenance_line(results: dict) -> str:
         return text + " Recorded before the quality and time runs were apart: time and quality from the same runs."
     window = "the whole schedule" if s["time_steps"] == s["steps"] else f"the schedule's first {s['time_steps']} steps"
     seeds = s.get("seeds") or [s.get("seed", 0)]
+    bracketed = (", each between two compute-only runs; ratios paired per repeat (against compute-only: the "
+                 "geometric mean of the runs around it)" if s.get("pairing") == "bracketed" else
+                 "; ratios paired per repeat")
     return (text + f" Time: {s.get('repeats', 1)} interleaved repeat(s) of {window} per link setting, each timed "
-            f"after its first tenth, each between two compute-only runs; ratios paired per repeat (against "
-            f"compute-only: the geometric mean of the runs around it), median [95 % bootstrap interval], resolved where "
+            f"after its first tenth{bracketed}, median [95 % bootstrap interval], resolved where "
             f"the interval clears 1.0{' and the target ' + str(s['target']) if s.get('target') else ''}. "
             f"Quality: full runs on an unlimited link, seed(s) {', '.join(map(str, seeds))}"
             + (f"; the configurations were chosen on seeds {', '.join(map(str, s['search_seeds']))}."
@@ -680,7 +688,7 @@ def parse_args(argv=None):
         args.steps, args.netns, args.bandwidths = min(args.steps, 20), "off", "unlimited"
     if args.time_steps is None:
         args.time_steps = args.steps
-    if not 10 <= args.time_steps <= args.steps:
+    elif not 10 <= args.time_steps <= args.steps:
         p.error(f"--time-steps must be from 10 to --steps ({args.steps}), got {args.time_steps}")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in METHODS]

@@ -17,13 +17,16 @@ from pathlib import Path
 
 @functools.lru_cache(maxsize=1)
 def commit() -> dict:
-    """The commit this package runs from (and whether its tree had changes), or ``None`` for both where the
-    package is not a git checkout (an installed wheel)."""
+    """The commit this package runs from (and whether its package or configs had uncommitted changes), or
+    ``None`` for both where the package is not a git checkout (an installed wheel)."""
     where = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
-                               capture_output=True, text=True, timeout=10)
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=where, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        # what decides a figure: the package and the shipped configs (an edited README changes no result)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "hooks", "configs"],
+                               cwd=top or where, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return {"commit": None, "dirty": None}
     if head.returncode != 0:

@@ -93,11 +93,16 @@ def brackets(order: Sequence[Tuple[str, int]], method: str) -> List[Tuple[int, i
     return [(order[p - 1][1], order[p + 1][1]) for p in runs]
 
 
+def bracketing(floor: Sequence[float], around: Sequence[Tuple[int, int]]) -> List[float]:
+    """Per run of a method, the geometric mean of the floor's runs around it (``around``: :func:`brackets`)."""
+    return [(floor[a] * floor[b]) ** 0.5 for a, b in around]
+
+
 def bracketed_ratio(method: Sequence[float], floor: Sequence[float], around: Sequence[Tuple[int, int]],
                     targets: Sequence[float] = (1.0,)) -> Dict:
     """:func:`paired_ratio` of each run of ``method`` over the geometric mean of the floor's runs around it (a
     linear drift of the machine's speed cancels)."""
-    return paired_ratio(method, [(floor[a] * floor[b]) ** 0.5 for a, b in around], targets)
+    return paired_ratio(method, bracketing(floor, around), targets)
 
 
 def describe(ratio: Optional[Dict]) -> str:

@@ -1,0 +1,52 @@
+"""Claims as code (issue 50): every figure of the measured sections is computed from its results file."""
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("claims", REPO / "docs" / "claims.py")
+claims = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(claims)
+
+
+def test_every_figure_of_the_measured_sections_comes_from_its_results_file():
+    problems = claims.check()
+    assert not problems, "\n".join(problems)
+    assert "README.md" in claims.sectioned() and len(claims.load()) >= 20
+
+
+def _copy_prose(tmp_path):
+    shutil.copy(REPO / "README.md", tmp_path / "README.md")
+    shutil.copytree(REPO / "docs" / "pages", tmp_path / "docs" / "pages")
+    return tmp_path / "README.md"
+
+
+def test_a_changed_figure_fails_naming_the_line_and_the_source(tmp_path):
+    """A README line mutated as a rerun would leave it: the old figure where the data now give another."""
+    readme = _copy_prose(tmp_path)
+    text = readme.read_text()
+    line = next(x for x in text.splitlines() if x.startswith("| QSR, int2 (2026-12-05) |"))
+    readme.write_text(text.replace(line, line.replace("5.22x", "5.32x")))
+    problems = claims.check(tmp_path)
+    assert any("'5.22x'" in p and "does not say" in p for p in problems), problems
+    assert any("'5.32x' has no claim" in p for p in problems), problems
+
+
+def test_a_figure_without_a_source_fails_and_setup_is_not_a_figure(tmp_path):
+    readme = _copy_prose(tmp_path)
+    text = readme.read_text()
+    readme.write_text(text.replace("<!-- /claims -->", "QSR was 1.7x faster on 4 ranks over 1000 steps (2026-12-06).\n"
+                                   "<!-- /claims -->", 1))
+    problems = claims.check(tmp_path)
+    assert len(problems) == 1 and "'1.7x' has no claim" in problems[0], problems
+    assert claims.figures("4 ranks on 2 nodes, 100 Mbit/s, seeds 3-5, `int2_h4.json`, 2026-12-06, int2") == []
+    assert claims.figures("0.9312 at 1.05x [1.02-1.08], +1.0 % and 0.055 %") == [
+        "0.9312", "1.05x", "1.02", "1.08", "+1.0 %", "0.055 %"]
+
+
+def test_a_ratio_across_two_runs_must_say_so(tmp_path):
+    readme = _copy_prose(tmp_path)
+    readme.write_text(readme.read_text().replace("divide two runs", "come from two files"))
+    problems = claims.check(tmp_path)
+    assert problems and all("divides figures of two runs" in p for p in problems), problems
