@@ -13,8 +13,9 @@ the same model, seed, data order and number of optimizer steps through
 (DESIGN section 18): the quality column comes from full runs on an unlimited link,
 one per seed (the link changes only the time); the time comes from ``--repeats``
 interleaved runs at each link setting (``--time-steps``: only the schedule's
-first steps), each timed after its first tenth, every repeat paired with the
-baselines' repeat of the same round (``timing.py``).  Without root (or where
+first steps), each timed after its first tenth, each method's run between two
+compute-only runs and divided by their geometric mean, DDP's repeat k by the
+method's (``timing.py``).  Without root (or where
 namespaces cannot be made) the run says so and falls back to loopback with
 payload bytes only.
 
@@ -111,7 +112,7 @@ METHODS: Dict[str, List[str]] = {
     "qsr-nosync": ["--config", "configs/qsr_nosync_mnist1d.json"],  # syncs switched off: commhooks' per-step floor
     "compute-only": ["--hook", "compute-only"],
 }
-DEFAULT_REPEATS = 9  # DESIGN section 18: the intervals this gives, and what more repeats did: results/bench-protocol-mnist1d-2026-12-06
+DEFAULT_REPEATS = 15  # DESIGN section 18: why 15, and what 9 and 25 gave: results/bench-protocol-mnist1d-2026-12-06
 CONTROLS = ("qsr-nosync",)  # methods that measure a floor, never one to choose (the planner's list leaves them out)
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
 
@@ -663,7 +664,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None,
                    help="run each method this many times per link setting, interleaved: each repeat gives a paired "
                         "ratio against compute-only and DDP, the table their median and 95 %% interval (and 'not "
-                        "resolved' where it holds 1.0); default 9, 1 with --quick")
+                        "resolved' where it holds 1.0); default 15, 1 with --quick")
     p.add_argument("--pin", choices=("auto", "off"), default="auto",
                    help="auto: each rank pinned to a core of its own where the ranks fit on the cores (recorded)")
     p.add_argument("--bandwidths", default=",".join(BANDWIDTHS), help="comma list of tc rates at which to time the methods")

@@ -130,13 +130,14 @@ def live_costs(record: dict, outcomes: List[str]) -> List[dict]:
     killed group's own steps since the last sync are not recorded: averaging, not steps, pays for them.)"""
     readings = sorted([(f["injected_s"], f["step"]) for f in record["faults"] if f.get("step") is not None]
                       + [(x["at_s"], x["step"]) for x in record["failures"] if x.get("step") is not None])
-    costs = []
+    costs, claimed = [], set()  # a failure is put on one fault: the first that hit its group before it
     for fault, outcome in zip(record["faults"], outcomes):
         failure = next((x for x in sorted(record["failures"], key=lambda x: x["at_s"])
                         if x["group"] == fault["target"] and x["at_s"] >= fault["injected_s"]), None)
-        if failure is None or outcome != HIT:
+        if failure is None or outcome != HIT or id(failure) in claimed:
             costs.append({"caused_failure": False, "detect_s": None, "steps_lost": 0})
             continue
+        claimed.add(id(failure))
         after = [step for t, step in readings if t > failure["at_s"]]
         fell = failure.get("step") is not None and after and after[0] < failure["step"]
         costs.append({"caused_failure": True, "detect_s": round(failure["at_s"] - fault["injected_s"], 2),
