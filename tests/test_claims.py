@@ -43,6 +43,20 @@ def test_a_figure_without_a_source_fails_and_setup_is_not_a_figure(tmp_path):
     assert claims.figures("4 ranks on 2 nodes, 100 Mbit/s, seeds 3-5, `int2_h4.json`, 2026-12-06, int2") == []
     assert claims.figures("0.9312 at 1.05x [1.02-1.08], +1.0 % and 0.055 %") == [
         "0.9312", "1.05x", "1.02", "1.08", "+1.0 %", "0.055 %"]
+    # a figure ends a sentence, or sits after a slash; a decimal "count" is a measurement, not set-up
+    assert claims.figures("it gave 1.045x. Then 1.3760.") == ["1.045x", "1.3760"]
+    assert claims.figures("seeds gave 1.02/1.08") == ["1.02", "1.08"]
+    assert claims.figures("a period of 12.5 steps on 4 ranks") == ["12.5"]
+
+
+def test_a_figure_that_is_part_of_a_claimed_one_is_not_sourced_by_it(tmp_path):
+    """"2 %" beside a claimed "+0.2 %", or "4" beside "1.4149", is a figure of its own."""
+    readme = _copy_prose(tmp_path)
+    text = readme.read_text()
+    line = next(x for x in text.splitlines() if x.startswith("| a sync every 2 steps, int2 (2026-12-05) |"))
+    readme.write_text(text.replace(line, line + " 2 % |"))
+    problems = claims.check(tmp_path)
+    assert len(problems) == 1 and "'2 %' has no claim" in problems[0], problems
 
 
 def test_a_ratio_across_two_runs_must_say_so(tmp_path):
