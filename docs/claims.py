@@ -44,7 +44,7 @@ SETUP = [re.compile(p) for p in (
     r"parameters|variants?|runs?|elements?)\b",  # counts are whole: "12.5 steps" is a measurement
     r"\d+(?:\.\d+)? M parameters",  # the model's size
     r"\bseeds? \d+(?:\s?(?:[-/,]|and)\s?\d+)*",  # seeds 0-2, seeds 3/4/5
-    r"\bperiods? (?:of )?\d+(?:\s?(?:[-/,]|to|and)\s?\d+)*",
+    r"\bperiods? (?:of )?\d+(?!\d|\.\d)(?:\s?(?:[-/,]|to|and)\s?\d+)*",
     r"\bevery \d+ steps",
     r"\brank \d+\b",
     r"\d+-(?:core|seed|rank|step|GPU|bit)s?\b",  # a 2-core machine, a 3-seed mean

@@ -215,7 +215,7 @@ def test_comparison_rules_sync_at_least_as_often_as_qsr(model, steps, suffix):
 def test_network_namespaces_and_tc(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (CI runs as root)")
-    results, _, out = bench(["--methods", "ddp,qsr", "--steps", "30", "--bandwidths", "unlimited,100mbit",
+    results, _, out = bench(["--methods", "ddp,qsr", "--steps", "30", "--repeats", "1", "--bandwidths", "unlimited,100mbit",
                              "--netns", "on"], tmp_path, timeout=600)
     assert results["setup"]["network"].startswith("netns")
     ddp, qsr = results["methods"]["ddp"], results["methods"]["qsr"]
@@ -236,10 +236,10 @@ def test_nodes_share_one_link(tmp_path):
     counter), and their traffic to each other stays off it."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root (CI runs as root)")
-    results, _, _ = bench(["--methods", "ddp,compute-only", "--ranks", "4", "--nodes", "2", "--steps", "20",
+    results, _, _ = bench(["--methods", "ddp,compute-only", "--ranks", "4", "--nodes", "2", "--steps", "20", "--repeats", "1",
                              "--bandwidths", "unlimited", "--netns", "on"], tmp_path, timeout=600)
     assert results["setup"]["nodes"] == 2 and "2 nodes of 2 ranks" in results["setup"]["network"]
-    per_rank = [json.loads((tmp_path / f"ddp.rank{r}.json").read_text()) for r in range(4)]
+    per_rank = [json.loads((tmp_path / "time-unlimited" / f"ddp.rank{r}.json").read_text()) for r in range(4)]
     tx = [r["wire_bytes_per_rank"]["tx"] for r in per_rank]
     # ranks 0 and 1 read node 0's veth, ranks 2 and 3 node 1's: one counter each, read over the same run
     assert abs(tx[0] - tx[1]) < 0.1 * tx[0] and abs(tx[2] - tx[3]) < 0.1 * tx[2], tx
@@ -259,7 +259,7 @@ def test_nodes_share_one_link(tmp_path):
 def _lab_leftovers(pid, out):
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    workers = subprocess.run(["pgrep", "-f", f"commhooks.tools.bench --worker {out}/spec.json"],
+    workers = subprocess.run(["pgrep", "-f", f"commhooks.tools.bench --worker {out}/time-100mbit/spec.json"],
                              capture_output=True, text=True).stdout.split()
     return ([n for n in namespaces.split() if n.startswith(f"chb{pid}-")]
             + [n for n in links.split() if f"chb{pid}" in n], workers)
@@ -272,7 +272,7 @@ def test_bench_cleans_up_on_a_signal(how, tmp_path):
         pytest.fail("network namespaces need root; CI runs as root")
     out = REPO / ".cache" / f"bench-signal-{os.getpid()}"
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"))
-    proc = subprocess.Popen([sys.executable, "-m", "commhooks.cli", "bench", "--methods", "ddp", "--steps", "100000",
+    proc = subprocess.Popen([sys.executable, "-m", "commhooks.cli", "bench", "--methods", "ddp", "--steps", "100000", "--repeats", "1",
                              "--bandwidths", "100mbit", "--netns", "on", "--out", str(out)],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True,
@@ -280,7 +280,7 @@ def test_bench_cleans_up_on_a_signal(how, tmp_path):
                             # the disposition a terminal's Ctrl-C meets, whoever started pytest
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        out_dir = out
+        out_dir = out / "time-100mbit"  # the timing runs' folder
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # the workers are up once their log says they train
@@ -320,7 +320,7 @@ def test_bench_removes_a_dead_runs_namespaces_but_not_a_live_ones(tmp_path):
     for name in (f"chb{dead}-r0", f"chb{live}-r0"):
         subprocess.run(["ip", "netns", "add", name], check=True)
     try:
-        _, _, stdout = bench(["--methods", "ddp", "--steps", "3", "--bandwidths", "unlimited", "--netns", "on"],
+        _, _, stdout = bench(["--methods", "ddp", "--steps", "3", "--repeats", "1", "--bandwidths", "unlimited", "--netns", "on"],
                              tmp_path, timeout=300)
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
         assert f"chb{dead}-r0" not in names and f"removed what a dead earlier run left: chb{dead}-r0" in stdout
