@@ -55,12 +55,13 @@ def table(paths: Sequence[str], mixed: bool = False) -> str:
 
 def commits_line(runs: Sequence[dict], paths: Sequence[str], mixed: bool) -> str:
     """The code the runs came from, in a sentence; :class:`MixedRuns` where they differ and ``mixed`` is off."""
+    from .tools.provenance import describe  # the standard library only: table still runs without the tools extra
+
     by_commit: dict = {}
     for path, r in zip(paths, runs):
-        key = (r.get("commit") or "not recorded")[:7] + (" with uncommitted changes" if r.get("dirty") else "")
-        by_commit.setdefault(key, []).append(Path(path).name)
+        by_commit.setdefault(describe(r.get("commit"), r.get("dirty")), []).append(Path(path).name)
     if len(by_commit) == 1:
-        return f"All runs: commit {next(iter(by_commit))}."
+        return f"All runs: {next(iter(by_commit))}."
     listed = "; ".join(f"{c}: {', '.join(names)}" for c, names in by_commit.items())
     if not mixed:
         raise MixedRuns(f"the summaries come from {len(by_commit)} commits ({listed}): a table divides figures of "

@@ -594,9 +594,8 @@ def table(results: dict) -> str:
 def provenance_line(results: dict) -> str:
     """What the table's figures are, under it: one run of one commit, how time and quality were measured."""
     s = results["setup"]
-    code = f"commit {s['commit'][:7]}" + (" with uncommitted changes" if s.get("dirty") else "") if s.get("commit") \
-        else "commit not recorded"
-    text = f"One run, {code}, {s.get('date', 'undated')}; config = the first 8 hex digits of its SHA-256."
+    text = (f"One run, {provenance.describe(s.get('commit'), s.get('dirty'))}, {s.get('date', 'undated')}; "
+            "config = the first 8 hex digits of its SHA-256.")
     shared = [bw for bw, load in (s.get("load") or {}).items() if load.get("shared")]
     if shared:
         text += (f" SHARED: other processes used the CPU during the timing at {', '.join(shared)} "
@@ -770,7 +769,7 @@ def _run(args, out: Path) -> int:
         results = {"setup": {"ranks": args.ranks, "nodes": lab.nodes if lab else args.nodes, "steps": args.steps,
                              "time_steps": args.time_steps, "model": args.model, "engine": args.engine,
                              "seed": args.seed, "seeds": args.seeds, "search_seeds": args.search_seeds,
-                             "repeats": args.repeats, "target": args.target, "pairing": "bracketed" if args.repeats > 1 and "compute-only" in args.methods else "rounds",
+                             "repeats": args.repeats, "target": args.target, "pairing": "bracketed" if timing.bracketed(args.methods, args.repeats) else "rounds",
                              "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
                              "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), **provenance.commit(),
                              "pinned": pinned(args), "load": {}}, "methods": {}}

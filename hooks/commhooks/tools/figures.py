@@ -136,11 +136,7 @@ def time_data(results: dict) -> dict:
 def subtitle(results: dict) -> str:
     """``run of 2026-12-06, commit 5b64908``: the run's date and commit (with local changes where recorded)."""
     setup = results["setup"]
-    commit = setup.get("commit")
-    if isinstance(commit, dict):  # {"commit": ..., "dirty": ...} nested rather than spread into the setup
-        commit, dirty = commit.get("commit"), commit.get("dirty")
-    else:
-        dirty = setup.get("dirty")
+    commit, dirty = setup.get("commit"), setup.get("dirty")  # the bench spreads provenance.commit() into the setup
     text = f"run of {setup.get('date', 'an unrecorded date')}, "
     text += f"commit {commit[:7]}" + (" with local changes" if dirty else "") if commit else "commit not recorded"
     return text

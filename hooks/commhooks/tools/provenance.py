@@ -13,6 +13,7 @@ import hashlib
 import json
 import subprocess
 from pathlib import Path
+from typing import Optional
 
 
 @functools.lru_cache(maxsize=1)
@@ -22,11 +23,10 @@ def commit() -> dict:
     where = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=10)
-        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=where, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        # what decides a figure: the package and the shipped configs (an edited README changes no result)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "hooks", "configs"],
-                               cwd=top or where, capture_output=True, text=True, timeout=10)
+        # what decides a figure: the package and the shipped configs (an edited README changes no result);
+        # ":/" names them from the top of the checkout, wherever this file sits in it
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/hooks", ":/configs"],
+                               cwd=where, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return {"commit": None, "dirty": None}
     if head.returncode != 0:
@@ -37,3 +37,11 @@ def commit() -> dict:
 def config_sha256(config: dict) -> str:
     """16 hex digits of a SHA-256 of the config (keys sorted): two rows with the same one ran the same settings."""
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def describe(commit: Optional[str], dirty: Optional[bool]) -> str:
+    """``commit 0123456``, ``commit 0123456 with uncommitted changes``, or ``commit not recorded``: how a table
+    names the code its figures came from."""
+    if not commit:
+        return "commit not recorded"
+    return f"commit {commit[:7]}" + (" with uncommitted changes" if dirty else "")

@@ -70,18 +70,23 @@ def paired_ratio(method: Sequence[float], baseline: Sequence[float], targets: Se
     return {"median": median, "lo": lo, "hi": hi, "ratios": ratios, "repeats": len(ratios), "resolved": resolved}
 
 
+def bracketed(methods: Sequence[str], repeats: int, floor: str = "compute-only") -> bool:
+    """Whether :func:`bracketed_order` puts each method between two floor runs: only with the floor and another
+    method among them, and more than one repeat (one repeat resolves nothing: no extra floor runs)."""
+    return floor in methods and any(m != floor for m in methods) and repeats > 1
+
+
 def bracketed_order(methods: Sequence[str], repeats: int, floor: str = "compute-only") -> List[Tuple[str, int]]:
     """(method, its k-th run) in the order the runs go.  Every repeat runs each method once; where ``floor`` is
     among them, every other method's run sits between two runs of the floor (A B A: the floor runs once before
     each of them and once more at the very end), so a machine whose speed drifts during the repeats (measured
     2026-12-06: compute-only's pace went from 3.1 to 5.0 ms a step over 8 minutes, nothing else running) is
     compared with the floor at that moment, not a method's length of time earlier."""
-    others = [m for m in methods if m != floor]
-    if floor not in methods or not others or repeats < 2:  # one repeat resolves nothing: no extra floor runs
+    if not bracketed(methods, repeats, floor):
         return [(m, k) for k in range(repeats) for m in methods]
     order, f = [], 0
     for k in range(repeats):
-        for m in others:
+        for m in (m for m in methods if m != floor):
             order += [(floor, f), (m, k)]
             f += 1
     return order + [(floor, f)]
