@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
 from commhooks import config, registry
-from commhooks.algorithms.alignment import STEP_PROOF_BYTES
+from commhooks.algorithms.contract import STEP_PROOF_BYTES
 from commhooks.algorithms.traffic import Send, Setting
 from commhooks.config import ConfigError, load_config, to_dict
 from tests.dist import run_ranks

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from commhooks.algorithms.alignment import STEP_PROOF_BYTES
+from commhooks.algorithms.contract import STEP_PROOF_BYTES
 from commhooks.launch import free_port
 
 from tests.test_horovod import check_toy

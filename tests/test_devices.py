@@ -311,7 +311,7 @@ def test_report_states_the_memory_each_feature_keeps(extra, expect):
     (report, n, tensors, syncs), = run_ranks(_memory, 1, conf={"type": "qsr", "h_base": 2, **extra})
     assert syncs >= 2
     memory = report["memory_bytes"]
-    proof = 4 * commhooks.algorithms.alignment.PROOF_ELEMENTS if extra.get("payload", "fp32") == "fp32" else 0
+    proof = 4 * commhooks.algorithms.contract.steps.PROOF_ELEMENTS if extra.get("payload", "fp32") == "fp32" else 0
     want = {k: 4 * n * v + (proof if k == "sync_buffers" else 0) for k, v in expect.items()}
     want["nonfinite_guard"] = 8 * tensors
     assert {k: v for k, v in memory.items() if k != "total"} == want, (memory, want)

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import commhooks
-from commhooks.algorithms import exchange, payload
-from commhooks.algorithms.alignment import PROOF_ELEMENTS, STEP_PROOF_BYTES
-from commhooks.algorithms.payload import Codec
+from commhooks import payload
+from commhooks.payload import exchange
+from commhooks.algorithms.contract.steps import PROOF_ELEMENTS, STEP_PROOF_BYTES
+from commhooks.payload import Codec
 from tests.declared import declared
 from tests.dist import run_ranks
 from tests.test_payloads import _net, _run
@@ -174,9 +175,9 @@ def test_auto_takes_the_two_step_exchange_from_three_ranks(ranks):
         if r >= 2:
             expected["two/allgather/sync"] = {"bytes": STEP_PROOF_BYTES + codec.nbytes(N), "calls": 1}
         assert out["auto"] == expected, (r, out["auto"])
-    assert exchange.resolve("auto", 2) == "allgather" and exchange.resolve("auto", 3) == "two_step"
+    assert payload.resolve("auto", 2) == "allgather" and payload.resolve("auto", 3) == "two_step"
     with pytest.raises(ValueError, match="payload_exchange must be one of"):
-        exchange.resolve("ring", 4)
+        payload.resolve("ring", 4)
 
 
 def test_through_ddp_identical_ranks_exact_resume_declared_bytes(ranks):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import commhooks
-from commhooks.algorithms.alignment import STEP_PROOF_BYTES
+from commhooks.algorithms.contract import STEP_PROOF_BYTES
 from commhooks.config import ConfigError
 from tests.declared import declared
 from tests.dist import run_ranks

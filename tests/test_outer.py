@@ -8,9 +8,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
-from commhooks.algorithms import payload
-from commhooks.algorithms.alignment import STEP_PROOF_BYTES
-from commhooks.algorithms.sync import FragmentSync
+from commhooks import payload
+from commhooks.algorithms.contract import STEP_PROOF_BYTES
+from commhooks.algorithms.qsr.sync import FragmentSync
 from commhooks.comm.torch_dist import TorchComm
 from commhooks.config import ConfigError, load_config
 from commhooks.algorithms.traffic import Send

@@ -19,9 +19,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
-from commhooks.algorithms import payload
-from commhooks.algorithms.alignment import STEP_PROOF_BYTES
-from commhooks.algorithms.payload import Codec
+from commhooks import payload
+from commhooks.algorithms.contract import STEP_PROOF_BYTES
+from commhooks.payload import Codec
 from commhooks.algorithms.traffic import Send
 from tests.declared import declared
 from tests.dist import run_ranks
@@ -155,7 +155,7 @@ def _through_ddp(rank, world):
         _, state, after_sync = _run(conf, 12, rank)
         out[name] = {"after_sync": after_sync, "sync_bytes": state.meter.by_tag().get("sync", 0)}
     # error feedback: after a sync the residual is exactly what the codec lost of that sync's pseudo-gradient
-    from commhooks.algorithms.sync import FragmentSync
+    from commhooks.algorithms.qsr.sync import FragmentSync
     from commhooks.comm.torch_dist import TorchComm
 
     comm = TorchComm()
@@ -167,7 +167,7 @@ def _through_ddp(rank, world):
         ef = FragmentSync(1.0, 0.0, True, codec, codec.block, True)
         ef.anchor = torch.zeros(300)
         delta = ef.anchor - tensors[0]
-        ef.sync(comm, tensors, torch.zeros(commhooks.algorithms.alignment.PROOF_ELEMENTS), seed=5)
+        ef.sync(comm, tensors, torch.zeros(commhooks.algorithms.contract.steps.PROOF_ELEMENTS), seed=5)
         out["residual"][name] = (ef.residual.clone(), delta - payload.round_trip(delta, codec, seed=5))
     # the period-aware outer step against a written-out one
     lr_at = lambda step: 0.2 * (1 - step / 24) ** 2 + 1e-3  # noqa: E731  decays: QSR's periods grow

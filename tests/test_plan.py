@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from commhooks.algorithms.alignment import STEP_PROOF_BYTES as PROOF
+from commhooks.algorithms.contract import STEP_PROOF_BYTES as PROOF
 from commhooks.tools import bench, plan
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
-from commhooks.algorithms.alignment import STEP_PROOF_BYTES
+from commhooks.algorithms.contract import STEP_PROOF_BYTES
 from commhooks.config import QSRConfig
 from commhooks.algorithms.qsr import qsr_period
 from tests.declared import declared

@@ -18,7 +18,7 @@ import commhooks
 from commhooks.comm import CollectiveError
 from commhooks.comm.torch_dist import TorchComm
 from commhooks.config import ConfigError
-from commhooks.algorithms.consistency import DivergenceError, NonFiniteError
+from commhooks.algorithms.contract.checks import DivergenceError, NonFiniteError
 from tests.dist import run_ranks
 from tests.test_ab import batch, mlp, weights
 
@@ -141,11 +141,11 @@ def _commit_with_late_files(rank, world, ckdir, delay):
                 t.join()
     seen["latest_after_refusal"] = commhooks.latest_checkpoint(ckdir).name
     # a rank whose write fails (a full disk): every rank raises at once, nobody waits for the timeout
-    import commhooks.checkpoint as ck
+    import commhooks.commit as ck
 
-    real_save = ck._atomic_save
+    real_save = ck.atomic_save
     if rank == 1:
-        ck._atomic_save = lambda obj, path: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+        ck.atomic_save = lambda obj, path: (_ for _ in ()).throw(OSError(28, "No space left on device"))
     try:
         started = time.monotonic()
         commhooks.save_checkpoint(ckdir, net, opt, state, sched)
@@ -153,7 +153,7 @@ def _commit_with_late_files(rank, world, ckdir, delay):
     except commhooks.CheckpointError as exc:
         seen["unwritten"], seen["unwritten_after_s"] = str(exc), time.monotonic() - started
     finally:
-        ck._atomic_save = real_save
+        ck.atomic_save = real_save
     net2, opt2, sched2, state2 = build("qsr")
     seen["resumed_step"] = commhooks.load_checkpoint(ckdir, net2, opt2, state2, sched2)["step"]
     return seen
@@ -245,7 +245,7 @@ def _mismatched(rank, world, what):
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     settings = {"h_base": 2 + rank} if what == "config" else {"h_base": 2}
     if what == "version" and rank == 1:
-        commhooks.algorithms.base.__version__ = "0.0.0-other"
+        commhooks.algorithms.contract.state.__version__ = "0.0.0-other"
     if what == "outer":  # another outer optimizer on each rank
         lr = 0.7 if rank == 0 else 0.5
         settings["outer_optimizer"] = lambda ps: torch.optim.SGD(ps, lr=lr)

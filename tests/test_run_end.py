@@ -62,7 +62,7 @@ def _run(conf, steps, rank, use_with=False, two_optimizers=False, give_both=True
                 F.cross_entropy(net(ids), y).backward()
                 for opt in optimizers:
                     opt.step()
-        state._end_check()  # what dropping the state or the process's exit runs: the end-of-run check
+        state.end_check()  # what dropping the state or the process's exit runs: the end-of-run check
     checksum = float(sum(p.detach().double().sum() for p in net.module.parameters()))
     return {"checksum": checksum, "syncs": state.syncs, "step": state.step,
             "warnings": [str(w.message) for w in caught if "commhooks" in w.filename or "QSR" in str(w.message)

@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
-from commhooks.algorithms.alignment import STEP_PROOF_BYTES
-from commhooks.algorithms import plan
-from commhooks.algorithms.plan import send_points, split_fragments
+from commhooks.algorithms.contract import STEP_PROOF_BYTES
+from commhooks.algorithms.qsr import state as qsr_state
+from commhooks.algorithms.qsr.plan import split_fragments
+from commhooks.algorithms.qsr.state import send_points
 from commhooks.config import ConfigError, load_config
 from tests.declared import declared
 from tests.dist import run_ranks
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.xdist_group("test_streaming")  # its module fixtures ar
 
 
 def _reference(steps, period, lr, mu, tau, frags, merge="progress", alpha=1.0):
-    """Streaming DiLoCo written out from the docstring of commhooks.algorithms.sync, independently of
+    """Streaming DiLoCo written out from the docstring of commhooks.algorithms.qsr.sync, independently of
     it: fragments as equal element ranges of the flat model, sent after step ceil(period*(k+1)/frags) of
     each round, averaged by a hand-made all_gather, landing tau steps later (never after ``steps``); the
     last round ends with a blocking sync of every fragment."""
@@ -203,9 +204,9 @@ def test_total_steps_filled_in_later_still_ends_the_run_synced(results):
 
 
 def _docstring_timeline():
-    """(optimizer step, "sent" / "landed", fragment) read off the table in commhooks.algorithms.plan's docstring
+    """(optimizer step, "sent" / "landed", fragment) read off the table in commhooks.algorithms.qsr.state's docstring
     (a column's step: the header number above it; the next round's 1 is step 7)."""
-    table = [ln for ln in plan.__doc__.splitlines() if ln.strip().startswith(("step of round", "sent", "landed"))]
+    table = [ln for ln in qsr_state.__doc__.splitlines() if ln.strip().startswith(("step of round", "sent", "landed"))]
     header = table[0]
     columns = {m.start(): int(m.group()) for m in re.finditer(r"\d+", header)}
     after_bar = header.index("|")

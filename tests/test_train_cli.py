@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from commhooks.algorithms.alignment import STEP_PROOF_BYTES
+from commhooks.algorithms.contract import STEP_PROOF_BYTES
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

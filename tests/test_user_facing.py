@@ -51,8 +51,8 @@ def _train(config, steps, lr_at=lambda step: 0.05):
             x = torch.randn(16, 16, generator=g)
             F.cross_entropy(net(x), x[:, :4].argmax(1)).backward()
             opt.step()
-        if getattr(state, "_end_check", None) is not None:
-            state._end_check()  # what dropping the state or the process's exit runs: the end-of-run check
+        if getattr(state, "end_check", None) is not None:
+            state.end_check()  # what dropping the state or the process's exit runs: the end-of-run check
     logger.removeHandler(handler)
     return state, [str(w.message) for w in caught if "commhooks" in w.filename or "QSR" in str(w.message)
                    or "AB" in str(w.message)], lines

@@ -20,10 +20,10 @@ from ._version import __version__
 from .algorithms import ab, qsr
 from .algorithms.ab import ABConfig, ABState, LRRebound
 from .algorithms.ab.traffic import ab_traffic as _ab_traffic
-from .algorithms.base import AlgorithmState
-from .algorithms.consistency import DivergenceError, NonFiniteError
+from .algorithms.contract import AlgorithmState
+from .algorithms.contract.checks import DivergenceError, NonFiniteError
 from .algorithms.qsr import QSRConfig, QSRState, qsr_period
-from .algorithms.qsr_traffic import qsr_traffic as _qsr_traffic
+from .algorithms.qsr.traffic import qsr_traffic as _qsr_traffic
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .checkpointer import Checkpointer
 from .comm import CollectiveError

@@ -52,8 +52,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (_allreduce_max, _commit_wait, _device, _rank_world, agree_to_save, checkpoint_contents,
-                         just_synced, load_checkpoint, write_and_commit)
+from .checkpoint import checkpoint_contents, load_checkpoint
+from .commit import CommitGroup, just_synced
 
 RESUME = ("auto", "never")
 
@@ -112,12 +112,15 @@ class Checkpointer:
         # the writers wait for the slowest rank's whole write at the size exchange: not the hook's (short) timeout
         self.write_timeout_s = write_timeout_s or max(300.0, 2 * commit_timeout_s)
         self.on_event = on_event or (lambda name, step: None)
-        self.rank, self.world = _rank_world(state)
-        self._group = None
+        self.commit_group = CommitGroup(state, model)  # the step agreements, and the commit without a writer thread
+        self.rank, self.world = self.commit_group.rank, self.commit_group.world
+        self._writers = None  # the same ranks over a gloo group of their own: the writer thread's commit
         self._background = background
         if background and self.world > 1:
             if dist.is_available() and dist.is_initialized():  # every rank makes it, here, in the same order
-                self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.write_timeout_s))
+                self._writers = self.commit_group.over(
+                    dist.new_group(backend="gloo", timeout=timedelta(seconds=self.write_timeout_s)),
+                    self.write_timeout_s)  # rank 0 gives up on a commit before the others stop waiting
             else:
                 self._background = False  # Horovod: the hook's collectives, on the training thread
         self._writer: Optional[threading.Thread] = None
@@ -152,9 +155,8 @@ class Checkpointer:
         if not self.every_seconds or step < self._next_check:
             return False
         # the ranks' clocks differ: agree on the slowest rank's elapsed time (one tiny allreduce, at checks only)
-        elapsed = _allreduce_max(self.state, torch.tensor([time.monotonic() - self._last_save_time],
-                                                          dtype=torch.float64,
-                                                          device=_device(self.state, self.model))).item()
+        elapsed = self.commit_group.allreduce_max(torch.tensor(
+            [time.monotonic() - self._last_save_time], dtype=torch.float64, device=self.commit_group.device)).item()
         if elapsed >= self.every_seconds:
             return True
         per_step = elapsed / max(1, step - self._last_save_step)
@@ -167,7 +169,7 @@ class Checkpointer:
         """Save now (collective): wait for the previous save, take the copy, and write it (off the thread)."""
         step = self._step if step is None else step
         self.wait()
-        agree_to_save(self.state, self.model, step, who="Checkpointer")
+        self.commit_group.agree_to_save(step, who="Checkpointer")
         contents = host_copy(checkpoint_contents(self.model, self.optimizer, self.state, self.scheduler, step,
                                                  just_synced(self.state, step), self.extra))
         self._last_save_step, self._last_save_time = step, time.monotonic()
@@ -181,19 +183,10 @@ class Checkpointer:
             self._write(step, contents)
             self._raise_error()
 
-    def _reduce(self, values: torch.Tensor) -> torch.Tensor:
-        if self._group is None:
-            return _allreduce_max(self.state, values)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._group)
-        return values
-
     def _write(self, step: int, contents: dict) -> None:
         try:
-            device = torch.device("cpu") if self._group is not None else _device(self.state, self.model)
-            wait = min(self.commit_timeout_s, self.write_timeout_s / 2) if self._group is not None else \
-                _commit_wait(self.state, self.commit_timeout_s)  # rank 0 gives up before the others stop waiting
-            write_and_commit(self.directory, step, contents, self.rank, self.world, self._reduce, device, self.keep,
-                             wait, self.commit_timeout_s, self.on_event)
+            group = self._writers if self._writers is not None else self.commit_group
+            group.commit(self.directory, step, contents, self.keep, self.commit_timeout_s, self.on_event)
             self.saved_steps.append(step)
             self.on_event("committed", step)
         except BaseException as exc:  # noqa: BLE001 - raised on the training thread by wait()

@@ -33,7 +33,7 @@ from pydantic import Field
 from typing_extensions import Annotated
 
 from . import registry, sources
-from .settings import ConfigError, HookConfig, _bounds, _expected, expect_kind, read_json, split_type, to_dict, validate
+from .settings import ConfigError, HookConfig, bounds, expect_kind, expected, read_json, split_type, to_dict, validate
 
 # --------------------------------------------------------------------------
 # entry points
@@ -91,10 +91,10 @@ def json_schema() -> dict:
 
 
 def _allowed(field) -> str:
-    words = _expected(field.annotation)
+    words = expected(field.annotation)
     if any(isinstance(m, (annotated_types.Ge, annotated_types.Gt, annotated_types.Le, annotated_types.Lt))
            for m in field.metadata):
-        words += f", {_bounds(field)}"
+        words += f", {bounds(field)}"
     return words
 
 

@@ -160,7 +160,7 @@ class _StateEndsJoinFirst:
         self.ddp_hook.main_hook()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        self.state.alignment.end_join()
+        self.state.end_join()
         self.state.join_ended_by_engine = True  # the state's own post-hook, next, has nothing left to do
         if self.state.in_sync_at() == self.state.step:  # the same on every rank: all broadcast, or none
             self.ddp_hook.post_hook(is_last_joiner)

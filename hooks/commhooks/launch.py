@@ -203,7 +203,7 @@ def free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
-def _fill_rendezvous_with_mpi(p: Placement) -> None:
+def fill_rendezvous_with_mpi(p: Placement) -> None:
     """Rank 0's host and a free port of its, broadcast with mpi4py."""
     try:
         from mpi4py import MPI
@@ -313,7 +313,7 @@ def init_distributed(backend: Optional[str] = None, timeout: float = 300.0) -> d
         p.master_addr = "127.0.0.1"  # one node: no need to ask anyone
     if p.master_addr is None or p.master_port is None:
         if p.source in ("openmpi", "mpich"):
-            _fill_rendezvous_with_mpi(p)
+            fill_rendezvous_with_mpi(p)
         elif p.source == "horovod" and _horovod_initialized():
             _fill_rendezvous_with_horovod(p)
         else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import os
 
-from .launch import LaunchError, _fill_rendezvous_with_mpi
+from .launch import LaunchError, fill_rendezvous_with_mpi
 
 _RENDEZVOUS = None  # rank 0's rendezvous server, alive as long as the process
 
@@ -75,7 +75,7 @@ def bootstrap_gloo(placement) -> None:
         port = p.master_port + 1
     elif p.source in ("openmpi", "mpich"):
         p.master_port = None
-        _fill_rendezvous_with_mpi(p)
+        fill_rendezvous_with_mpi(p)
         port = p.master_port
     else:
         raise LaunchError(f"{p.source} environment without MASTER_ADDR / MASTER_PORT: export them so Horovod's "

@@ -4,7 +4,7 @@
 
 ``MyConfig`` is a :class:`~commhooks.settings.HookConfig` subclass whose
 ``type`` field is ``Literal["my-name"]``; ``MyState`` a
-:class:`~commhooks.algorithms.base.AlgorithmState` subclass.  From then on
+:class:`~commhooks.algorithms.contract.AlgorithmState` subclass.  From then on
 ``{"type": "my-name", ...}`` works wherever a config is accepted: in
 ``commhooks.ddp.register``, the Horovod ``DistributedOptimizer``, the
 DeepSpeed ``"comm_hook"`` section, ``commhooks train --config`` and
@@ -17,7 +17,7 @@ setting) -> Traffic`` (:mod:`commhooks.algorithms.traffic`), or
 tests, ``commhooks plan`` and the docs read an algorithm's bytes from it.
 
 The registry sits above the algorithms (it checks a state class against
-:class:`~commhooks.algorithms.base.AlgorithmState`) and below everything that
+:class:`~commhooks.algorithms.contract.AlgorithmState`) and below everything that
 dispatches by name (:mod:`commhooks.config`, the adapters, the tools).  It
 imports no algorithm to fill itself: the built-ins (``qsr``, then ``ab``) are
 registered by the package's entry, ``commhooks/__init__.py``, which runs
@@ -31,7 +31,7 @@ import importlib
 import inspect
 from typing import Callable, Dict, List, Optional, Union
 
-from .algorithms.base import AlgorithmState
+from .algorithms.contract import AlgorithmState
 from .settings import ConfigError, HookConfig
 
 _ALGORITHMS: Dict[str, "Algorithm"] = {}

@@ -90,24 +90,24 @@ _TYPE_ERRORS = ("int_type", "int_parsing", "int_from_float", "float_type", "floa
 _BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 
 
-def _expected(annotation) -> str:
+def expected(annotation) -> str:
     """What a value of ``annotation`` must be, in words ("an integer or null", "a list of strings")."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Annotated:
-        return _expected(args[0])
+        return expected(args[0])
     if origin is Union:
         rest = [a for a in args if a is not type(None)]
-        words = " or ".join(_expected(a) for a in rest)
+        words = " or ".join(expected(a) for a in rest)
         return words + (" or null" if len(rest) < len(args) else "")
     if origin is Literal:
         return "one of " + ", ".join(map(repr, args))
     if origin in (list, List):
-        return f"a list of {_expected(args[0])[2:]}s" if args else "a list"
+        return f"a list of {expected(args[0])[2:]}s" if args else "a list"
     return {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(
         annotation, getattr(annotation, "__name__", str(annotation)))
 
 
-def _bounds(field) -> str:
+def bounds(field) -> str:
     """The allowed range of a numeric field, e.g. ``>= 1`` or ``in (0.0, 1.0)``."""
     lo = hi = None
     for m in field.metadata:
@@ -142,11 +142,11 @@ def _describe_error(cls, err: dict, prefix: str) -> str:
     if field is None:
         return f"{prefix.rstrip('.')}: {err['msg']}"
     if kind in _TYPE_ERRORS:
-        return f"{prefix}{key} must be {_expected(field.annotation)}, got {value!r}"
+        return f"{prefix}{key} must be {expected(field.annotation)}, got {value!r}"
     if kind == "literal_error":
-        return f"{prefix}{key} must be {_expected(field.annotation)}, got {value!r}"
+        return f"{prefix}{key} must be {expected(field.annotation)}, got {value!r}"
     if kind in _BOUND_ERRORS:
-        return f"{prefix}{key} must be {_bounds(field)}, got {value!r}"
+        return f"{prefix}{key} must be {bounds(field)}, got {value!r}"
     return f"{prefix}{key}: {err['msg']}, got {value!r}"
 
 
@@ -211,4 +211,5 @@ def to_dict(config: Optional[HookConfig]) -> dict:
     return {"type": config.kind, **config.model_dump(mode="json", exclude={"type"})}
 
 
-__all__ = ["ConfigError", "HookConfig", "expect_kind", "read_json", "split_type", "to_dict", "validate"]
+__all__ = ["ConfigError", "HookConfig", "bounds", "expect_kind", "expected", "read_json", "split_type", "to_dict",
+           "validate"]

@@ -1,12 +1,10 @@
 """Replica groups: contiguous blocks of ranks that train as one replica (typically a node).
 
-Inside a replica group the engine's usual data parallelism runs every step
-(the fast links); across groups a local method averages every so often (the
-slow links).  QSR's ``group_size`` and AB's groups are the same split, made
-here: ``group_size`` ranks per group, ``None`` = ranks per node (from the
-launcher; the whole world when unknown).  PyTorch's fixed-period version of
-the idea is ``hierarchical_model_averager``; here the period follows the
-quadratic rule.
+Inside a replica group the engine's usual data parallelism runs every step (the fast links); across groups a local
+method averages every so often (the slow links).  QSR's ``group_size`` and AB's groups are the same split, made
+here: ``group_size`` ranks per group, ``None`` = ranks per node (from the launcher; the whole world when unknown).
+PyTorch's fixed-period version of the idea is ``hierarchical_model_averager``; here the period follows the quadratic
+rule.
 """
 
 from __future__ import annotations

@@ -4,22 +4,18 @@ Every algorithm registers, beside its config and state classes, a function
 
     traffic(config, setting: Setting) -> Traffic
 
-that says, for a validated config and a :class:`Setting` (the parameter
-shapes, the world and its nodes, the rank, the run's length and lr), which
-collectives the rank calls at each optimizer step and with how many bytes:
-exactly what its :class:`~commhooks.comm.Meter` will count (payload handed to
-the backend; the step proof inside each sync; unmetered checks left out).
-That one statement serves the meter tests (measured against declared), the
-planner (``commhooks plan``, which adds a link model) and the docs.
+that says, for a validated config and a :class:`Setting` (the parameter shapes, the world and its nodes, the rank,
+the run's length and lr), which collectives the rank calls at each optimizer step and with how many bytes: exactly
+what its :class:`~commhooks.comm.Meter` will count (payload handed to the backend; the step proof inside each sync;
+unmetered checks left out). That one statement serves the meter tests (measured against declared), the planner
+(``commhooks plan``, which adds a link model) and the docs.
 
-Scopes say which ranks a collective spans, which is what the planner needs to
-know about the links it crosses:
+Scopes say which ranks a collective spans, which is what the planner needs to know about the links it crosses:
 
 * ``world``: every rank;
-* ``group``: the ranks of one replica group (the ranks of a node), over the
-  node's own links;
-* ``across``: one rank of each replica group (the same part of the model),
-  ``g`` such collectives side by side, each crossing the nodes.
+* ``group``: the ranks of one replica group (the ranks of a node), over the node's own links;
+* ``across``: one rank of each replica group (the same part of the model), ``g`` such collectives side by side,
+  each crossing the nodes.
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ import math
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .alignment import STEP_PROOF_BYTES
+from .contract.steps import STEP_PROOF_BYTES
 
 Shapes = Sequence[Tuple[str, Tuple[int, ...]]]
 KINDS = ("allreduce", "allgather", "alltoall", "broadcast")
@@ -69,10 +65,10 @@ class Setting:
     engine averages inside each replica group itself and hands over its shard: an equal run of the concatenated
     parameters (DeepSpeed ZeRO), or with ``shard_rows`` each parameter's chunk of rows (FSDP2's ``Shard(0)``).
     ``outer_optimizer`` (QSR): a torch optimizer takes the outer step (``QSRState(outer_optimizer=...)``, Python
-    only; a sync is then an outer step whatever the config).  ``factor_ranks`` (AB): the rank of each compressed layer (None: kept dense), one mapping for every AB
-    phase or a list, one per phase; AB's ranks come from the data, so without them AB declares a bound.
-    ``same_start``: every rank starts from the same weights (DDP broadcasts them; runs recorded before
-    2026-12-05 averaged them anyway: False)."""
+    only; a sync is then an outer step whatever the config).  ``factor_ranks`` (AB): the rank of each compressed
+    layer (None: kept dense), one mapping for every AB phase or a list, one per phase; AB's ranks come from the
+    data, so without them AB declares a bound. ``same_start``: every rank starts from the same weights (DDP
+    broadcasts them; runs recorded before 2026-12-05 averaged them anyway: False)."""
 
     shapes: Tuple[Tuple[str, Tuple[int, ...]], ...]
     world: int = 2
@@ -106,9 +102,9 @@ class Traffic:
     ``timeline[s - 1]``: the calls made during optimizer step ``s`` (its gradient reductions and whatever its
     post-hook runs: a sync, a phase switch); ``before``: those made before the first step (building the state).
     ``step``: the calls of a typical step between syncs; ``sync``: those of one complete sync (both for the
-    docs).  ``sync_steps``: the steps a sync completed at.
-    ``exact``: False when the bytes are a bound (``note`` says which).  ``group``: the ranks of this rank's
-    replica group (scope ``group``); a planner takes them for a node's ranks unless they are more."""
+    docs).  ``sync_steps``: the steps a sync completed at. ``exact``: False when the bytes are a bound (``note``
+    says which).  ``group``: the ranks of this rank's replica group (scope ``group``); a planner takes them for
+    a node's ranks unless they are more."""
 
     timeline: List[Tuple[Send, ...]]
     step: Tuple[Send, ...] = ()
@@ -162,11 +158,11 @@ class Traffic:
 
 
 def body_sends(codec, numel: int, proof_bytes: int, tag: str, scope: str, size: int) -> Tuple[List[Send], List[Send]]:
-    """A sync payload of ``numel`` elements in ``codec`` (:class:`~commhooks.algorithms.payload.Codec`) with the
+    """A sync payload of ``numel`` elements in ``codec`` (:class:`~commhooks.payload.Codec`) with the
     step proof, averaged over ``size`` ranks: ``(the calls when it is sent, the calls when it lands)``.  fp32:
     one allreduce; otherwise one allgather of the packed bytes, or the two-step exchange
-    (:mod:`~commhooks.algorithms.exchange`): an all-to-all of the pieces when sent, an allgather of the
-    owners' encoded means when it lands."""
+    (:mod:`~commhooks.algorithms.exchange`): an all-to-all of the pieces when sent, an allgather of the owners'
+    encoded means when it lands."""
     if codec.name == "fp32":
         return [Send("allreduce", proof_bytes + 4 * numel, tag, scope)], []
     two_step = codec.exchange_for(size)

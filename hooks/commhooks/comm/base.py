@@ -1,27 +1,26 @@
-"""The collective interface every algorithm talks to, and its byte meter.
+"""The collective interface every algorithm talks to (:class:`Comm`), and what comes with it.
 
-Algorithms in commhooks never call ``torch.distributed`` or Horovod directly:
-they call a :class:`Comm`.  That keeps them backend-agnostic (the same code
-runs under DDP, Horovod and DeepSpeed) and lets one place count the traffic.
+Algorithms in commhooks never call ``torch.distributed`` or Horovod directly: they call a :class:`Comm`.  That
+keeps them backend-agnostic (the same code runs under DDP, Horovod and DeepSpeed) and lets one place count the
+traffic.  A backend implements a few primitives on a single contiguous tensor (``_allreduce_flat``,
+``_broadcast_flat``, ``_allgather_flat``, ``_alltoall_flat``, ``_make_group``); this module does the rest, each
+concern a small class the :class:`Comm` hands its calls to: :func:`flatten` (a list of tensors as one buffer, one
+call on the wire, as DDP's buckets do) and :class:`Work` (an in-flight collective); the :class:`Meter` (bytes per
+group, collective and tag); one :class:`Call` per collective (it meters the call and names it when it fails);
+a :class:`Reduction` per allreduce (who divides a mean); :class:`Groups` (the groups made).  They share one
+module because a sync runs through every one of them (``tests/test_sync_trace.py`` counts the files it reads).
 
-A backend implements a few primitives on a single contiguous tensor
-(``_allreduce_flat``, ``_broadcast_flat``, ``_allgather_flat``, ``_alltoall_flat``,
-``_make_group``); this base class coalesces lists of tensors into one flat
-buffer (one call on the wire, as DDP's buckets do), takes the mean the way
-DDP does, and records every call in the :class:`Meter`.
+**Device.**  ``Comm.device`` is where the library makes the tensors it hands to a collective of its own
+(handshakes, step proofs, agreements, checksums): the device of the tensors the algorithm syncs (the state sets
+it when it is built; a Comm used on its own takes the device of the first tensors it is handed).  An NCCL-only
+process group (``init_process_group("nccl")``, as in PyTorch's DDP tutorial) refuses CPU tensors, so nothing the
+library sends may be made on the CPU by default; gloo takes either, which is why a CPU test suite cannot see such
+a mistake (``tests/devicecheck.py`` can).  (Not ``torch.cuda.current_device()`` for good: that is ``cuda:0`` on
+every rank that never called ``set_device``, and an NCCL group then pairs every rank's control tensor with GPU 0.)
 
-**Device.**  ``Comm.device`` is where the library makes the tensors it hands
-to a collective of its own (handshakes, step proofs, agreements, checksums):
-the device of the tensors the algorithm syncs (the state sets it when it is
-built).  An NCCL-only process group (``init_process_group("nccl")``, as in
-PyTorch's DDP tutorial) refuses CPU tensors, so nothing the library sends may
-be made on the CPU by default; gloo takes either, which is why a CPU test
-suite cannot see such a mistake (``tests/devicecheck.py`` can).
-
-**Means.**  Like DDP's default hook: the backend's own average where it has
-one (NCCL's ``ReduceOp.AVG``, Horovod's ``Average``); otherwise fp16 and bf16
-tensors are divided by the group size *before* the sum, so a sum that would
-overflow does not, and fp32 tensors are summed, then divided.
+**Means.**  Like DDP's default hook: the backend's own average where it has one (NCCL's ``ReduceOp.AVG``,
+Horovod's ``Average``); otherwise fp16 and bf16 tensors are divided by the group size *before* the sum, so a sum
+that would overflow does not, and other dtypes are summed, then divided.
 """
 
 from __future__ import annotations
@@ -45,19 +44,39 @@ class CollectiveError(RuntimeError):
 class Group:
     """A set of ranks that communicate together.
 
-    ``name`` keys the meter (``"world"``, ``"g0-1"``...); ``handle`` is the
-    backend's own object (a ``ProcessGroup``, a Horovod ``ProcessSet``).
-    ``member`` says whether the calling rank belongs to it.
-    """
+    ``name`` keys the meter (``"world"``, ``"g0-1"``...); ``handle`` is the backend's own object (a
+    ``ProcessGroup``, a Horovod ``ProcessSet``); ``member``: whether the calling rank belongs to it; ``size``: how
+    many ranks (a field, not a property: a sync reads it often)."""
 
     name: str
     ranks: Tuple[int, ...]
     handle: Any = dataclasses.field(default=None, compare=False, repr=False)
     member: bool = True
+    size: int = dataclasses.field(init=False, compare=False, repr=False)
 
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
+    def __post_init__(self):
+        object.__setattr__(self, "size", len(self.ranks))
+
+
+class Groups:
+    """The groups a :class:`Comm` has made, by their ranks, the world among them.  Making a group is collective
+    (every rank of the world makes it, in the same order) and each backend handle costs a communicator, so a
+    group asked for again is the one made the first time.  ``rank``: the calling rank, for ``Group.member``."""
+
+    def __init__(self, rank: int, size: int, world_handle: Any = None):
+        self.rank, self.size = rank, size
+        self.world = Group("world", tuple(range(size)), handle=world_handle)
+        self.made: Dict[Tuple[int, ...], Group] = {self.world.ranks: self.world}
+
+    def get(self, ranks: Iterable[int], name: Optional[str], make: Callable[[Tuple[int, ...]], Any]) -> Group:
+        """The group of ``ranks`` (named ``name``, default ``g<first>-<last>``); ``make(ranks)`` gives the backend's
+        handle for one not made yet."""
+        ranks = tuple(sorted(int(r) for r in ranks))
+        if not ranks or ranks[0] < 0 or ranks[-1] >= self.size or len(set(ranks)) != len(ranks):
+            raise ValueError(f"group ranks must be distinct ranks in [0, {self.size}), got {ranks}")
+        if ranks not in self.made:
+            self.made[ranks] = Group(name or f"g{ranks[0]}-{ranks[-1]}", ranks, make(ranks), member=self.rank in ranks)
+        return self.made[ranks]
 
 
 class Meter:
@@ -163,7 +182,10 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One contiguous buffer holding ``tensors`` (no copy for a single contiguous tensor)."""
     if len(tensors) == 1 and tensors[0].is_contiguous():
         return tensors[0].view(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
+    flat = []
+    for t in tensors:
+        flat.append(t.reshape(-1))
+    return torch.cat(flat)
 
 
 def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
@@ -177,11 +199,108 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         offset += n
 
 
+class Call:
+    """One collective of ``kind`` on ``group``, carrying ``flat`` for ``tag``; metered when it is made (unless
+    ``metered`` is False: a verification, a broadcast's receiving end).
+
+    A hung or failed collective is usually reported on every rank at once, from deep inside a backend; the
+    description (kind, tag, bytes, group, ranks, this rank, how it is bounded in time) is what tells which of an
+    algorithm's calls it was.  The rank and the bound are asked of ``comm`` only when the call fails: under torch
+    the bound looks up the group's backend, and under torchft a retry on a smaller quorum may have changed the
+    rank by then."""
+
+    def __init__(self, comm: "Comm", kind: str, group: Group, tag: str, flat: torch.Tensor, metered: bool = True):
+        self.comm, self.kind, self.group, self.tag = comm, kind, group, tag
+        self.nbytes = flat.numel() * flat.element_size()
+        if metered:
+            comm.meter.record(group.name, kind, self.nbytes, tag)
+
+    def describe(self) -> str:
+        return (f"commhooks {self.kind} '{self.tag or 'untagged'}' of {self.nbytes} bytes on group {self.group.name} "
+                f"(ranks {list(self.group.ranks)}), rank {self.comm.rank}{self.comm._timeout_words(self.group)}")
+
+    def failed(self, exc: BaseException) -> CollectiveError:
+        """The error to raise for what the backend raised: this call, named."""
+        return CollectiveError(f"{self.describe()} failed: {exc}")
+
+    def guard(self, fn: Callable, *args, keep: tuple = ()):
+        """``fn(*args)``; what it raises comes out as a :class:`CollectiveError` naming this call (the types in
+        ``keep`` as they are, e.g. an error a wait already named)."""
+        try:
+            return fn(*args)
+        except keep:
+            raise
+        except Exception as exc:
+            raise self.failed(exc) from exc
+
+    def complete(self, wait: Callable[[], None], future: Optional[torch.futures.Future],
+                 finish: Callable[[], List[torch.Tensor]], async_op: bool):
+        """``finish()`` once the started call is done: now, after ``wait()``, or else in a :class:`Work` (chained
+        on the backend's ``future`` where it gives one, so a DDP hook's future completes with the backend's).
+        A :class:`CollectiveError` from ``wait`` passes as it is (it says what failed already); any other error, or
+        a future's, is named here."""
+
+        def settled(done=None):
+            if done is not None:
+                self.guard(done.value)  # re-raises the backend's error
+            return finish()
+
+        def waited():
+            self.guard(wait, keep=(CollectiveError,))
+            return finish()
+
+        if not async_op:
+            return waited()
+        if future is not None:
+            chained = future.then(settled)
+            return Work(lambda: chained.wait(), chained)
+        return Work(waited)
+
+    def pieces(self, started: Callable[[], torch.Tensor], numel: int, shape=None) -> Work:
+        """A :class:`Work` giving what ``started()`` waits for (an allgather's or all-to-all's ``numel``-element
+        pieces, concatenated) as one piece per member in group-rank order, viewed as ``shape`` if given; failures
+        named."""
+
+        def wait() -> List[torch.Tensor]:
+            try:
+                out = started()  # an allgather: as many pieces as members answered (a live quorum may shrink)
+            except Exception as exc:
+                raise self.failed(exc) from exc
+            split = out.chunk(out.numel() // numel if self.kind == "allgather" and numel else self.group.size)
+            out = list(split)
+            for i in range(len(out) if shape is not None else 0):
+                out[i] = out[i].view(shape)
+            return out
+
+        return Work(wait)
+
+
+class Reduction:
+    """What an allreduce of ``op`` sends (:attr:`op`), and who divides a mean, the way DDP's default hook does:
+    the backend's own average where it has one (``native()``), otherwise a sum, with fp16 and bf16 divided by the
+    group size *before* it (done here, on ``flat``: the sum cannot overflow), other dtypes once after it."""
+
+    def __init__(self, op: str, flat: torch.Tensor, size: int, native: Callable[[], bool]):
+        self.op, self.size, self.divide_after = op, size, False
+        if op == "mean" and not native():
+            self.op = "sum"
+            if flat.dtype in HALF_DTYPES:
+                flat.div_(size)
+            else:
+                self.divide_after = True
+
+    def finish(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """``tensors``, holding the reduced ``flat`` (divided by the group size first if that was left to now)."""
+        if self.divide_after:
+            flat.div_(self.size)
+        unflatten_into(flat, tensors)
+        return tensors
+
+
 class Comm:
     """Collectives over groups of ranks, with a byte meter.
 
-    All calls reduce *in place* into the given tensors, like
-    ``torch.distributed``.  ``group=None`` means the world.
+    All calls reduce *in place* into the given tensors, like ``torch.distributed``.  ``group=None`` means the world.
     """
 
     fixed_world = True  # the same ranks for the whole run (False: a live quorum, which per-rank files cannot follow)
@@ -191,29 +310,26 @@ class Comm:
         self.rank = rank
         self.size = size
         self.timeout_s = timeout_s  # None: the backend's own default
-        self._device: Optional[torch.device] = None if device is None else torch.device(device)
+        self.chosen_device: Optional[torch.device] = None if device is None else torch.device(device)
         self.meter = Meter()
-        self._key: Optional[str] = None  # see keyed()
-        self.world = Group("world", tuple(range(size)), handle=self._world_handle())
-        self._groups: Dict[Tuple[int, ...], Group] = {self.world.ranks: self.world}
+        self.key: Optional[str] = None  # the key of allreduce calls without their own (keyed())
+        self._groups = Groups(rank, size, self._world_handle())
+
+    @property
+    def world(self) -> Group:
+        """Every rank of this Comm: what ``group=None`` means."""
+        return self._groups.world
 
     @property
     def device(self) -> torch.device:
-        """Where control tensors (barriers, agreements, step proofs) are made: the synced tensors' device.
-
-        A state sets it to its parameters' device.  A Comm used on its own takes the device of the first tensors
-        it is handed; before that, the backend's default.  (Not ``torch.cuda.current_device()`` for good: that
-        is ``cuda:0`` on every rank that never called ``set_device``, and an NCCL group then pairs every rank's
-        control tensor with GPU 0.)"""
-        return self._device if self._device is not None else self._default_device()
+        """Where control tensors (barriers, agreements, step proofs) are made: the synced tensors' device, once a
+        state sets it or the first tensors are handed to this Comm (the module docstring says why); before that,
+        the backend's default."""
+        return self.chosen_device if self.chosen_device is not None else self._default_device()
 
     @device.setter
     def device(self, value) -> None:
-        self._device = None if value is None else torch.device(value)
-
-    def _adopt_device(self, tensors: Sequence[torch.Tensor]) -> None:
-        if self._device is None and tensors:
-            self._device = tensors[0].device
+        self.chosen_device = None if value is None else torch.device(value)
 
     # ---- backend primitives -------------------------------------------------
     def _world_handle(self) -> Any:
@@ -250,133 +366,70 @@ class Comm:
         raise NotImplementedError
 
     # ---- public API -----------------------------------------------------------
-    @contextlib.contextmanager
     def keyed(self, key: str):
         """Inside, allreduce calls without a ``key`` of their own carry ``key``.  Adapters whose gradient hooks
         fire in an order that may differ between ranks (Horovod's per-parameter hooks) wrap each parameter's
         reduction in it, so a backend that pairs calls by name pairs them by parameter, whatever algorithm
         issues them."""
-        previous, self._key = self._key, key
+        return self._keyed(key)
+
+    @contextlib.contextmanager
+    def _keyed(self, key: str):
+        previous, self.key = self.key, key
         try:
             yield
         finally:
-            self._key = previous
+            self.key = previous
 
     def new_group(self, ranks: Iterable[int], name: Optional[str] = None) -> Group:
-        """Create (or return the cached) group of ``ranks``.
-
-        Collective: every rank of the world must call it, in the same order,
-        even ranks outside the group (as ``torch.distributed.new_group``).
-        """
-        ranks = tuple(sorted(int(r) for r in ranks))
-        if not ranks or ranks[0] < 0 or ranks[-1] >= self.size or len(set(ranks)) != len(ranks):
-            raise ValueError(f"group ranks must be distinct ranks in [0, {self.size}), got {ranks}")
-        if ranks in self._groups:
-            return self._groups[ranks]
-        handle = self._make_group(ranks)
-        group = Group(name or f"g{ranks[0]}-{ranks[-1]}", ranks, handle, member=self.rank in ranks)
-        self._groups[ranks] = group
-        return group
+        """Create (or return the cached) group of ``ranks``.  Collective: every rank of the world must call it, in
+        the same order, even ranks outside the group (as ``torch.distributed.new_group``)."""
+        return self._groups.get(ranks, name, self._make_group)
 
     def _timeout_words(self, group: Group) -> str:
         """How this collective is bounded in time, for error messages ("" if unbounded)."""
         return f" (timeout {self.timeout_s:g} s)" if self.timeout_s else ""
 
-    def _describe(self, kind: str, group: Group, tag: str, nbytes: int) -> str:
-        limit = self._timeout_words(group)
-        return (f"commhooks {kind} '{tag or 'untagged'}' of {nbytes} bytes on group {group.name} "
-                f"(ranks {list(group.ranks)}), rank {self.rank}{limit}")
-
-    def allreduce(
-        self,
-        tensors: Sequence[torch.Tensor],
-        op: str = "mean",
-        group: Optional[Group] = None,
-        async_op: bool = False,
-        tag: str = "",
-        metered: bool = True,
-        key: Optional[str] = None,
-    ):
+    def allreduce(self, tensors: Sequence[torch.Tensor], op: str = "mean", group: Optional[Group] = None,
+                  async_op: bool = False, tag: str = "", metered: bool = True, key: Optional[str] = None):
         """Reduce a list of tensors in one flat call over ``group``.
 
-        Returns the list (reduced in place), or a :class:`Work` if
-        ``async_op``.  ``op`` is ``"mean"``, ``"sum"`` or ``"max"``; all
-        tensors must share dtype and device.  ``key``: a name for what is
-        reduced that is the same on every rank whatever the order of the calls
-        (e.g. the parameter names of a gradient; default: the one set by
-        :meth:`keyed`); backends that pair calls by name (Horovod) use it.
-        ``metered=False`` keeps a
-        verification call (a few bytes) out of the meter, which counts the
-        algorithm's traffic.  A failure or timeout raises
-        :class:`CollectiveError` naming the collective, its tag and group.
+        Returns the list (reduced in place), or a :class:`Work` if ``async_op``.  ``op`` is ``"mean"``, ``"sum"``
+        or ``"max"``; all tensors must share dtype and device.  ``key``: a name for what is reduced that is the
+        same on every rank whatever the order of the calls (e.g. the parameter names of a gradient; default: the
+        one set by :meth:`keyed`); backends that pair calls by name (Horovod) use it.  ``metered=False`` keeps a
+        verification call (a few bytes) out of the meter, which counts the algorithm's traffic.  A failure or
+        timeout raises :class:`CollectiveError` naming the collective, its tag and group.
         """
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
-        key = self._key if key is None else key
+        key = self.key if key is None else key
         group = group or self.world
         tensors = list(tensors)
-        self._adopt_device(tensors)
+        if self.chosen_device is None and tensors:  # a Comm on its own: control tensors where these are
+            self.chosen_device = tensors[0].device
         if not tensors or group.size == 1:  # nothing to send: the mean of one is itself, no copy
             return Work(lambda: tensors) if async_op else tensors
         flat = flatten(tensors)
-        nbytes = flat.numel() * flat.element_size()
-        what = lambda: self._describe("allreduce", group, tag, nbytes)  # noqa: E731
-        if metered:
-            self.meter.record(group.name, "allreduce", nbytes, tag)
-        wire_op, divide_after = op, False
-        if op == "mean" and not self._native_mean(flat, group):
-            wire_op = "sum"
-            if flat.dtype in HALF_DTYPES:  # divide first, as DDP's default hook does: the sum cannot overflow
-                flat.div_(group.size)
-            else:
-                divide_after = True
-        try:
-            wait, fut = self._allreduce_flat(flat, wire_op, group, async_op, key)
-        except Exception as exc:
-            raise CollectiveError(f"{what()} failed: {exc}") from exc
-
-        def finish(done=None):
-            if done is not None:
-                try:
-                    done.value()  # re-raises the backend's error
-                except Exception as exc:
-                    raise CollectiveError(f"{what()} failed: {exc}") from exc
-            if divide_after:
-                flat.div_(group.size)
-            unflatten_into(flat, tensors)
-            return tensors
-
-        def wait_and_finish():
-            try:
-                wait()
-            except CollectiveError:
-                raise
-            except Exception as exc:
-                raise CollectiveError(f"{what()} failed: {exc}") from exc
-            return finish()
-
-        if not async_op:
-            return wait_and_finish()
-        if fut is not None:
-            chained = fut.then(finish)
-            return Work(lambda: chained.wait(), chained)
-        return Work(wait_and_finish)
+        call = Call(self, "allreduce", group, tag, flat, metered)
+        reduction = Reduction(op, flat, group.size, lambda: self._native_mean(flat, group))
+        wait, fut = call.guard(self._allreduce_flat, flat, reduction.op, group, async_op, key)
+        return call.complete(wait, fut, lambda: reduction.finish(flat, tensors), async_op)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0, group: Optional[Group] = None, tag: str = ""):
         """Broadcast ``tensors`` from global rank ``src`` to ``group``, in place."""
         group = group or self.world
         tensors = list(tensors)
-        self._adopt_device(tensors)
+        if self.chosen_device is None and tensors:
+            self.chosen_device = tensors[0].device
         if not tensors or group.size == 1:
             return tensors
         flat = flatten(tensors)
-        nbytes = flat.numel() * flat.element_size()
-        if self.rank == src:
-            self.meter.record(group.name, "broadcast", nbytes, tag)
+        call = Call(self, "broadcast", group, tag, flat, self.rank == src)
         try:
             self._broadcast_flat(flat, src, group)
         except Exception as exc:
-            raise CollectiveError(f"{self._describe('broadcast', group, tag, nbytes)} failed: {exc}") from exc
+            raise call.failed(exc) from exc
         unflatten_into(flat, tensors)
         return tensors
 
@@ -389,7 +442,8 @@ class Comm:
         ``async_op``: a :class:`Work` whose ``wait()`` returns the list (the link works while you compute).
         """
         group = group or self.world
-        self._adopt_device([tensor])
+        if self.chosen_device is None:
+            self.chosen_device = tensor.device
         if group.size == 1:
             return Work(lambda: [tensor]) if async_op else [tensor]
         return self._exchange("allgather", self._allgather_flat, tensor, group, tag, metered, async_op,
@@ -400,12 +454,13 @@ class Comm:
         """Member ``j`` gets piece ``j`` of every member's ``tensor`` (flat, ``group.size`` equal pieces, the same
         size everywhere): the list of pieces received, in group-rank order.
 
-        The first half of a compressed mean that scales with the world (:mod:`commhooks.algorithms.exchange`).
+        The first half of a compressed mean that scales with the world (:mod:`commhooks.payload.exchange`).
         The meter counts the whole ``tensor`` (this rank's own piece included), as torch's payload counter
         counts ``all_to_all_single``.  ``async_op``: a :class:`Work` whose ``wait()`` returns the list.
         """
         group = group or self.world
-        self._adopt_device([tensor])
+        if self.chosen_device is None:
+            self.chosen_device = tensor.device
         if tensor.numel() % group.size:
             raise ValueError(f"alltoall '{tag}': {tensor.numel()} elements do not split into {group.size} equal pieces")
         if group.size == 1:
@@ -418,24 +473,12 @@ class Comm:
         """An allgather or all-to-all of ``tensor`` (flat): meter it, start ``primitive``, and give the pieces it
         returns, one per member in group-rank order (viewed as ``shape`` if given); failures name the call."""
         flat = tensor.reshape(-1).contiguous()
-        nbytes = flat.numel() * flat.element_size()
-        what = lambda: self._describe(kind, group, tag, nbytes)  # noqa: E731
-        if metered:
-            self.meter.record(group.name, kind, nbytes, tag)
+        call = Call(self, kind, group, tag, flat, metered)
         try:
             started = primitive(flat, group)
         except Exception as exc:
-            raise CollectiveError(f"{what()} failed: {exc}") from exc
-
-        def wait() -> List[torch.Tensor]:
-            try:
-                out = started()  # an allgather: as many pieces as members answered (a live quorum may shrink)
-                pieces = out.chunk(out.numel() // flat.numel() if kind == "allgather" and flat.numel() else group.size)
-                return [p.view(shape) for p in pieces] if shape is not None else list(pieces)
-            except Exception as exc:
-                raise CollectiveError(f"{what()} failed: {exc}") from exc
-
-        work = Work(wait)
+            raise call.failed(exc) from exc
+        work = call.pieces(started, flat.numel(), shape)
         return work if async_op else work.wait()
 
     def notify_join(self, joinable) -> None:
@@ -447,8 +490,8 @@ class Comm:
         the work only orders the GPU stream and the host would go on before the others arrive; like
         ``torch.distributed.barrier``, this one holds the host.  One host read: for checkpoints and set-up,
         never a training step."""
-        chosen = self._device
+        chosen = self.chosen_device
         flag = torch.zeros(1, device=self.device)
         self.allreduce([flag], op="sum", group=group, tag="barrier", metered=False)
-        self._device = chosen  # a control tensor names no device for the synced tensors
+        self.chosen_device = chosen  # a control tensor names no device for the synced tensors
         flag.tolist()

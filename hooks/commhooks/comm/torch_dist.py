@@ -113,17 +113,15 @@ class TorchComm(Comm):
             self._backends[key] = backend_name(group.handle or self.process_group, device)
         return self._backends[key]
 
-    def _host_waits(self, group: Group, device: torch.device) -> bool:
-        """Whether ``Work.wait(timeout)`` returns on a timeout for this group and device (gloo); NCCL's aborts."""
-        return self._backend(group, device) not in ("nccl",)
-
     def _timeout_words(self, group: Group) -> str:
         if self._backend(group, self.device) == "nccl":
             return " (bounded by the process group's timeout, enforced by NCCL's watchdog)"
         return super()._timeout_words(group)
 
     def _wait(self, work, group: Group, device: torch.device) -> None:
-        if self.timeout_s is None or not self._host_waits(group, device):
+        """Wait for ``work`` with this Comm's timeout where ``Work.wait(timeout)`` returns on one (gloo); NCCL's
+        watchdog aborts instead."""
+        if self.timeout_s is None or self._backend(group, device) == "nccl":
             work.wait()  # NCCL: the current stream waits, the host goes on; the watchdog bounds it
             return
         try:
@@ -181,4 +179,7 @@ class TorchComm(Comm):
         if len(ranks) == 1:
             return None  # one-rank groups never communicate (the collectives return first): no process group
         timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
-        return dist.new_group([self._global_ranks[r] for r in ranks], timeout=timeout)
+        handle = dist.new_group([self._global_ranks[r] for r in ranks], timeout=timeout)
+        device = self.device  # its backend for the synced tensors' device, looked up now rather than at a sync
+        self._backends[(id(handle), device.type)] = backend_name(handle, device)
+        return handle

@@ -29,7 +29,7 @@ from typing import Any, Optional, Tuple  # noqa: F401
 
 import torch
 
-from .base import CollectiveError, Comm, Group
+from .base import CollectiveError, Comm, Group, Groups
 
 
 class ManagedComm(Comm):
@@ -60,8 +60,7 @@ class ManagedComm(Comm):
 
     def _resize(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
-        self.world = Group("world", tuple(range(size)), handle=None)
-        self._groups = {self.world.ranks: self.world}
+        self._groups = Groups(rank, size)
 
     def _make_group(self, ranks: Tuple[int, ...]) -> Any:
         raise CollectiveError("commhooks over torchft: groups inside the quorum are not supported (the quorum "

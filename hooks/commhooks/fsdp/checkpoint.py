@@ -20,7 +20,9 @@ rank loads the state of its counterpart in the first replica group (every group 
 reshards nothing (the shards are the same).  Refused on every rank alike, naming the checkpoint: another
 world or shard group size unless synced, a checkpoint without commhooks' state (from a run without it: load
 the model yourself, then register), a NaN/Inf gradient or ranks at different steps at save.  DCP writes
-its ``.metadata`` last, after every rank's files: a save cut short leaves a folder that does not load.
+its ``.metadata`` last, after every rank's files: a save cut short leaves a folder that does not load.  The
+ranks agree before the save as every commhooks checkpoint does (:class:`commhooks.commit.CommitGroup`); DCP
+commits the folder.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from .._version import __version__
-from ..checkpoint import CheckpointError, agree_to_save, just_synced, restore_rng_states, rng_states
+from ..checkpoint import restore_rng_states, rng_states
+from ..commit import CheckpointError, CommitGroup, just_synced
 from .model import shard_group
 
 KEY = "commhooks"
@@ -68,7 +71,7 @@ def save_checkpoint(path, model, optimizer, state, scheduler=None, synced_only: 
     also loads at another replica count."""
     dcp, sd = _dcp()
     step = state.step
-    agree_to_save(state, model, step, "commhooks.fsdp.save_checkpoint")
+    CommitGroup(state, model).agree_to_save(step, "commhooks.fsdp.save_checkpoint")  # DCP commits the folder
     synced = just_synced(state, step)
     if synced_only and not synced:
         return None

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 import torch
 
-from ..algorithms.consistency import fingerprint
+from ..algorithms.contract.checks import fingerprint
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..config import to_dict
 
@@ -94,7 +94,7 @@ def find_ddp(module: torch.nn.Module) -> Optional[torch.nn.parallel.DistributedD
 
 
 def _fingerprint(model, device) -> torch.Tensor:
-    """Weights summarised: their sum, their position-weighted sum (:func:`~commhooks.algorithms.consistency.
+    """Weights summarised: their sum, their position-weighted sum (:func:`~commhooks.algorithms.contract.checks.
     fingerprint`) and the sum of their magnitudes, in float64 on ``device``."""
     params = [p.detach() for p in getattr(model, "module", model).parameters()]
     size = torch.stack([p.double().abs().sum().to(device) for p in params]).sum().reshape(1)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..algorithms.alignment import STEP_PROOF_BYTES as PROOF  # the step proof in every commhooks sync
+from ..algorithms.contract import STEP_PROOF_BYTES as PROOF  # the step proof in every commhooks sync
 from ..algorithms.traffic import Setting, Traffic as Declared
 from ..algorithms.traffic import describe
 from .anchor_traffic import COMPUTE_ONLY, DENSE, ENGINES, anchor_label, anchor_traffic, fsdp_traffic, hsdp_traffic

@@ -38,7 +38,7 @@ from ..facts import launcher_local_world_size
 from .anchors import ANCHORS, register_anchor
 from . import live, provenance
 from .fault_plan import PlannedFaults, ProgressFile
-from ..algorithms.base import AlgorithmState
+from ..algorithms.contract import AlgorithmState
 from ..launch import LaunchError, init_distributed, local_cuda_index, shutdown
 from .measure import PayloadCounter, iface_bytes
 from .workloads import WORKLOADS, build_workload

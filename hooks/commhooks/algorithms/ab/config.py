@@ -8,36 +8,29 @@ from pydantic import Field, model_validator
 from typing_extensions import Annotated
 
 from ...settings import ConfigError
-from ..payload import PayloadFields
-from ..rule import QuadraticRuleFields
+from ...payload import PayloadFields
+from ..qsr.config import QuadraticRuleFields
 
 
 class ABConfig(QuadraticRuleFields, PayloadFields):
     """AB-training: low-rank factors trained by independent groups, averaged periodically.
 
-    Coquelin et al., arXiv 2405.01067.  Defaults are the paper's VGG16 /
-    CIFAR-10 settings (8 GPUs, batch 1024): scale ``warmup_steps``,
-    ``sync_period``, ``full_rank_steps`` and ``rebound_steps`` with the
-    length of your run (the paper: warm-up ~10 % of training, a sync about
-    every 1.7 epochs, 8 % of each period at full rank).
+    Coquelin et al., arXiv 2405.01067.  Defaults are the paper's VGG16 / CIFAR-10 settings (8 GPUs, batch 1024):
+    scale ``warmup_steps``, ``sync_period``, ``full_rank_steps`` and ``rebound_steps`` with the length of your
+    run (the paper: warm-up ~10 % of training, a sync about every 1.7 epochs, 8 % of each period at full rank).
 
-    ``sync_rule="qsr"`` lets the groups sync by the Quadratic Synchronisation
-    Rule instead of every ``sync_period`` steps: each AB phase after the
-    first lasts ``H - full_rank_steps`` steps with
-    ``H = max(h_base, floor((alpha / lr) ** power))`` from the lr of the
-    phase's first step (capped at ``total_steps``).  ``h_base`` defaults to
-    ``sync_period``, so ``alpha = 0`` is plain AB.  ``local_group_steps``
-    also drops the intra-group traffic of AB steps: each rank trains its
-    factor on its own gradients until the group sync (QSR inside the group).
+    ``sync_rule="qsr"`` lets the groups sync by the Quadratic Synchronisation Rule instead of every
+    ``sync_period`` steps: each AB phase after the first lasts ``H - full_rank_steps`` steps with ``H =
+    max(h_base, floor((alpha / lr) ** power))`` from the lr of the phase's first step (capped at
+    ``total_steps``).  ``h_base`` defaults to ``sync_period``, so ``alpha = 0`` is plain AB.
+    ``local_group_steps`` also drops the intra-group traffic of AB steps: each rank trains its factor on its own
+    gradients until the group sync (QSR inside the group).
 
-    ``payload="int8"`` (or ``"bf16"``) compresses the world sync: every rank
-    holds the same weights when an AB phase begins, so each sends only its
-    change since then (a pseudo-gradient, small and centred), and the mean is
-    the phase's start minus the mean change.  QSR's other sync options
-    (outer optimizer, overlap, fragments) are not offered for AB: the sync
-    ends the AB phase, the full-rank steps and the next SVD need the synced
-    weights at once, and each phase has new bases, so an outer momentum has
-    no fixed coordinates to live in.
+    ``payload="int8"`` (or ``"bf16"``) compresses the world sync: every rank holds the same weights when an AB
+    phase begins, so each sends only its change since then (a pseudo-gradient, small and centred), and the mean
+    is the phase's start minus the mean change.  QSR's other sync options (outer optimizer, overlap, fragments)
+    are not offered for AB: the sync ends the AB phase, the full-rank steps and the next SVD need the synced
+    weights at once, and each phase has new bases, so an outer momentum has no fixed coordinates to live in.
     """
 
     type: Literal["ab"] = "ab"

@@ -24,9 +24,8 @@ def resolve_group_size(config: ABConfig, world: int, local_world: Optional[int])
 def make_groups(config: ABConfig, world: int, local_world: Optional[int]) -> Tuple[List[Tuple[int, ...]], List[str]]:
     """The groups (tuples of ranks) and their roles (``"A"`` or ``"B"``).
 
-    ``groups`` mode: ``world // group_size`` contiguous groups; the first
-    ``n // 2`` train A, the rest train B.  ``only-b``: one group, the whole
-    world, trains B.
+    ``groups`` mode: ``world // group_size`` contiguous groups; the first ``n // 2`` train A, the rest train B.
+    ``only-b``: one group, the whole world, trains B.
     """
     size = resolve_group_size(config, world, local_world)
     if config.mode == "only-b":

@@ -1,14 +1,11 @@
 """Low-rank bases for AB-training: which weights, which rank, and the W-space projections.
 
-A weight W (ndim >= 2) is seen as a matrix: a conv kernel (C_out, C_in, kh, kw)
-as C_out x (C_in*kh*kw), transposed when needed so it is tall (m >= n).  Its
-SVD ``W = U S Vh`` gives the factors ``A = U sqrt(S)`` (m x k) and
-``B = sqrt(S) Vh`` (k x n), keeping the k components with
-``S_i > rank_cutoff * S_0`` (paper: 0.15).
+A weight W (ndim >= 2) is seen as a matrix: a conv kernel (C_out, C_in, kh, kw) as C_out x (C_in*kh*kw), transposed
+when needed so it is tall (m >= n).  Its SVD ``W = U S Vh`` gives the factors ``A = U sqrt(S)`` (m x k) and ``B =
+sqrt(S) Vh`` (k x n), keeping the k components with ``S_i > rank_cutoff * S_0`` (paper: 0.15).
 
-Training A with B frozen is, in W-space, replacing the gradient G by
-``(G B^T) B``; training B with A frozen, by ``A (A^T G)``.  Only the small
-middle factor (m x k, or k x n) crosses the network.
+Training A with B frozen is, in W-space, replacing the gradient G by ``(G B^T) B``; training B with A frozen, by ``A
+(A^T G)``.  Only the small middle factor (m x k, or k x n) crosses the network.
 """
 
 from __future__ import annotations
@@ -51,10 +48,9 @@ def compression_ratio(m: int, n: int, k: int) -> float:
 class Basis:
     """The frozen factors of one weight for one AB phase.
 
-    ``s`` holds the k kept singular values (``A^T A = B B^T = diag(s)``, used
-    for the pseudo-inverses); ``residual`` is ``W - A B`` when the dropped
-    components stay in the model (first phase with ``truncate_first=False``),
-    else ``None``.
+    ``s`` holds the k kept singular values (``A^T A = B B^T = diag(s)``, used for the pseudo-inverses);
+    ``residual`` is ``W - A B`` when the dropped components stay in the model (first phase with
+    ``truncate_first=False``), else ``None``.
     """
 
     a: torch.Tensor  # m x k
@@ -98,9 +94,8 @@ class Basis:
     def factors_after(self, w: torch.Tensor, role: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """This rank's (A, B) after its phase, recovered from W by projection.
 
-        An A-rank moved only A: ``A' = A + (W - W0) B^+`` with
-        ``B^+ = B^T diag(1/s)``; a B-rank moved only B:
-        ``B' = B + A^+ (W - W0)`` with ``A^+ = diag(1/s) A^T``.
+        An A-rank moved only A: ``A' = A + (W - W0) B^+`` with ``B^+ = B^T diag(1/s)``; a B-rank moved only
+        B: ``B' = B + A^+ (W - W0)`` with ``A^+ = diag(1/s) A^T``.
         """
         delta = w - self.dense()
         if role == "A":

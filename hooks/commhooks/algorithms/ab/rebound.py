@@ -1,10 +1,8 @@
 """LR rebound: after each AB phase switch, restart the lr low and ramp it back.
 
-Each phase switch restarts the optimizer state of the weights involved
-(see :mod:`commhooks.ab.state`); a fresh Adam or momentum buffer at full lr
-makes a large first step.  The paper drops the lr to 1e-5 at every switch and
-ramps it linearly back to the scheduled value over ``rebound_steps``
-(267 steps for VGG16, about a third of the sync period).
+Each phase switch restarts the optimizer state of the weights involved (see :mod:`commhooks.ab.state`); a fresh Adam
+or momentum buffer at full lr makes a large first step.  The paper drops the lr to 1e-5 at every switch and ramps it
+linearly back to the scheduled value over ``rebound_steps`` (267 steps for VGG16, about a third of the sync period).
 """
 
 from __future__ import annotations
@@ -17,9 +15,8 @@ class LRRebound:
 
         scheduler = commhooks.ab.LRRebound(torch.optim.lr_scheduler.CosineAnnealingLR(opt, T), state)
 
-    The wrapped scheduler keeps computing the schedule as if nothing
-    happened (its chainable formulas see their own lr, restored before each
-    of its steps); the optimizer gets ``floor_lr + (lr - floor_lr) * j /
+    The wrapped scheduler keeps computing the schedule as if nothing happened (its chainable formulas see their
+    own lr, restored before each of its steps); the optimizer gets ``floor_lr + (lr - floor_lr) * j /
     rebound_steps`` at the j-th step after a switch.
     """
 

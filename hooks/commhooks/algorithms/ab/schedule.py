@@ -7,27 +7,24 @@ With warm-up ``W``, period ``P`` and ``F`` full-rank steps::
     t % P == 0        (in AB) sync over the world, then F full-rank steps
     t % P == F        (at full rank) truncated re-basis, re-enter AB
 
-With ``F == 0`` the sync and the re-basis happen before the same step.
-Transitions run between optimizer steps, so the step they precede already
-uses the new phase.
+With ``F == 0`` the sync and the re-basis happen before the same step. Transitions run between optimizer steps, so
+the step they precede already uses the new phase.
 
-``sync_rule="qsr"`` (AB x QSR): the first AB phase ends as above (at the
-first multiple of P after the warm-up); every later AB phase lasts
-``H - F`` steps, with H from the quadratic rule and the lr of the phase's
-first step, at least 1 and capped at ``total_steps``; the F full-rank steps
-follow each sync.  With ``alpha = 0`` (H = h_base = P) this is the plain
-schedule.
+``sync_rule="qsr"`` (AB x QSR): the first AB phase ends as above (at the first multiple of P after the warm-up);
+every later AB phase lasts ``H - F`` steps, with H from the quadratic rule and the lr of the phase's first step, at
+least 1 and capped at ``total_steps``; the F full-rank steps follow each sync.  With ``alpha = 0`` (H = h_base = P)
+this is the plain schedule.
 
-Under either rule, an AB phase open at ``total_steps`` (when it is known) syncs
-there: the run ends with identical weights on every rank, whatever the period.
+Under either rule, an AB phase open at ``total_steps`` (when it is known) syncs there: the run ends with identical
+weights on every rank, whatever the period.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional
+from typing import Callable, Iterator, List, Optional
 
-from ..rule import rule_period
+from ..qsr.state import rule_period
 from .config import ABConfig
 
 WARMUP, AB, FULL = "warmup", "ab", "full"
@@ -45,40 +42,43 @@ class Clock:
     entries: int = 0
 
 
-def events_before(t: int, clock: Clock, config: ABConfig) -> List[str]:
-    """What must happen before step ``t``."""
-    p, f = config.sync_period, config.full_rank_steps
-    qsr = config.sync_rule == "qsr"
-    if clock.phase == WARMUP:
-        return [ENTER] if t >= config.warmup_steps else []
-    if clock.phase == AB:
-        if qsr and clock.entries > 1:
-            done = clock.phase_end is not None and t >= clock.phase_end
+    def events(self, t: int, config: ABConfig) -> List[str]:
+        """What must happen before step ``t``."""
+        p, f = config.sync_period, config.full_rank_steps
+        qsr = config.sync_rule == "qsr"
+        if self.phase == WARMUP:
+            return [ENTER] if t >= config.warmup_steps else []
+        if self.phase == AB:
+            if qsr and self.entries > 1:
+                done = self.phase_end is not None and t >= self.phase_end
+            else:
+                done = t % p == 0 and t > self.entered_at
+            if config.total_steps is not None and t == config.total_steps and t > self.entered_at:
+                return [SYNC]  # the run's end: synced, no new phase after it
+            return ([SYNC, ENTER] if f == 0 else [SYNC]) if done else []
+        return [ENTER] if (t == self.synced_at + f if qsr else t % p == f) else []
+
+    def apply(self, event: str, t: int) -> None:
+        """Move past ``event``, run before step ``t``."""
+        if event == SYNC:
+            self.phase, self.synced_at, self.phase_end = FULL, t, None
         else:
-            done = t % p == 0 and t > clock.entered_at
-        if config.total_steps is not None and t == config.total_steps and t > clock.entered_at:
-            return [SYNC]  # the run's end: synced, no new phase after it
-        return ([SYNC, ENTER] if f == 0 else [SYNC]) if done else []
-    return [ENTER] if (t == clock.synced_at + f if qsr else t % p == f) else []
+            self.phase, self.entered_at, self.phase_end = AB, t, None
+            self.entries += 1
 
+    def advance(self, t: int, config: ABConfig) -> Iterator[str]:
+        """The transitions due before step ``t``, each applied once its caller has run it (the state, the traffic
+        declaration and :func:`phases` walk the schedule through this one loop)."""
+        for event in self.events(t, config):
+            yield event
+            self.apply(event, t)
 
-def apply(event: str, t: int, clock: Clock) -> None:
-    """Advance the clock past ``event`` before step ``t``."""
-    if event == SYNC:
-        clock.phase, clock.synced_at, clock.phase_end = FULL, t, None
-    else:
-        clock.phase, clock.entered_at, clock.phase_end = AB, t, None
-        clock.entries += 1
-
-
-def ab_phase_length(t: int, lr: float, config: ABConfig) -> int:
-    """Length of the AB phase starting at ``t`` under the qsr rule: ``H - F``, capped, at least 1."""
-    return rule_period(t, lr, config, config.period_base, shorten_by=config.full_rank_steps)
-
-
-def needs_length(clock: Clock, config: ABConfig) -> bool:
-    """The qsr rule must still size the AB phase that has just begun."""
-    return config.sync_rule == "qsr" and clock.phase == AB and clock.entries > 1 and clock.phase_end is None
+    def size(self, t: int, lr: Callable[[], float], config: ABConfig, agree=None) -> None:
+        """Under the qsr rule, an AB phase that has just begun (after the first) lasts ``H - F`` steps from ``t``,
+        H by the rule at ``lr()`` (read only then; ``agree``: the ranks' max of it), capped, at least 1."""
+        if config.sync_rule == "qsr" and self.phase == AB and self.entries > 1 and self.phase_end is None:
+            length = rule_period(t, lr(), config, config.period_base, shorten_by=config.full_rank_steps)
+            self.phase_end = t + (length if agree is None else agree(length))
 
 
 def phases(total_steps: int, config: ABConfig, lr_at: Optional[Callable[[int], float]] = None) -> List[str]:
@@ -86,13 +86,15 @@ def phases(total_steps: int, config: ABConfig, lr_at: Optional[Callable[[int], f
 
     ``lr_at(t)`` gives the lr of step t; needed with ``sync_rule="qsr"``.
     """
+    def lr(t: int) -> float:
+        if lr_at is None:
+            raise ValueError("phases() needs lr_at for sync_rule 'qsr'")
+        return lr_at(t)
+
     out, clock = [], Clock()
     for t in range(total_steps):
-        for event in events_before(t, clock, config):
-            apply(event, t, clock)
-        if needs_length(clock, config):
-            if lr_at is None:
-                raise ValueError("phases() needs lr_at for sync_rule 'qsr'")
-            clock.phase_end = t + ab_phase_length(t, lr_at(t), config)
+        for _ in clock.advance(t, config):
+            pass
+        clock.size(t, lambda: lr(t), config)
         out.append(clock.phase)
     return out

@@ -1,45 +1,36 @@
 """AB-training state: phases, bases, groups, and the gradient reduction of each step.
 
-Coquelin et al., "AB-Training: A Communication-Efficient Approach for
-Distributed Low-Rank Learning", arXiv 2405.01067.
+Coquelin et al., "AB-Training: A Communication-Efficient Approach for Distributed Low-Rank Learning", arXiv
+2405.01067.
 
-Each compressible weight W is split by SVD into ``A`` (m x k) and ``B``
-(k x n).  The ranks form contiguous groups; the first half of the groups
-train A with B frozen, the second half train B with A frozen, each group
-averaging only inside itself and only the small factor gradient.  Every
-``sync_period`` steps the world averages the weights, trains ``F`` steps at
-full rank, re-computes a truncated basis and starts again.
+Each compressible weight W is split by SVD into ``A`` (m x k) and ``B`` (k x n).  The ranks form contiguous groups;
+the first half of the groups train A with B frozen, the second half train B with A frozen, each group averaging only
+inside itself and only the small factor gradient.  Every ``sync_period`` steps the world averages the weights,
+trains ``F`` steps at full rank, re-computes a truncated basis and starts again.
 
-Why W-space: the hook never changes the model or the optimizer.  An A-rank
-replaces its gradient G by ``mean_group(G B^T) B``, a B-rank by
-``A mean_group(A^T G)``; for SGD with momentum and weight decay this is
-exactly training the factor (the update maps to W through the frozen factor,
-and momentum and decay are linear), which the tests check against explicit
-factor parameters.  With Adam the element-wise normalisation is applied in
-W-space, so W drifts slightly off the rank-k subspace between syncs; the
-syncs and re-bases bring it back.
+Why W-space: the hook never changes the model or the optimizer.  An A-rank replaces its gradient G by ``mean_group(G
+B^T) B``, a B-rank by ``A mean_group(A^T G)``; for SGD with momentum and weight decay this is exactly training the
+factor (the update maps to W through the frozen factor, and momentum and decay are linear), which the tests check
+against explicit factor parameters.  With Adam the element-wise normalisation is applied in W-space, so W drifts
+slightly off the rank-k subspace between syncs; the syncs and re-bases bring it back.
 
 Optimizer state at phase switches (the rule, tested):
 
-* entering AB (after warm-up, and at each re-basis), the state of every
-  compressed weight is cleared: the paper's factors start their phase with a
-  fresh optimizer, and W-space momentum left from full rank would push W out
-  of the factor's subspace.  Dense tensors keep their state.
-* at each sync, the state of every parameter is cleared: the groups' states
-  have diverged, and keeping them would make the ranks diverge again during
-  the full-rank steps.  Adam restarts its bias correction; the LR rebound
+* entering AB (after warm-up, and at each re-basis), the state of every compressed weight is cleared: the paper's
+  factors start their phase with a fresh optimizer, and W-space momentum left from full rank would push W out of
+  the factor's subspace.  Dense tensors keep their state.
+* at each sync, the state of every parameter is cleared: the groups' states have diverged, and keeping them would
+  make the ranks diverge again during the full-rank steps.  Adam restarts its bias correction; the LR rebound
   (:class:`~commhooks.algorithms.ab.LRRebound`) exists to soften exactly these restarts.
 
-Tuning advice: ``rank_cutoff`` 0.15 (paper) keeps the components above 15 %
-of the largest singular value; lower it for accuracy, raise it for traffic.
-Put the classifier head and embeddings in ``full_rank`` if accuracy drops.
-``sync="with-stale"`` sends ``(m + n) k`` per layer at a sync instead of
-``m n`` (the paper's default); ``full`` is the exact world mean of W.
+Tuning advice: ``rank_cutoff`` 0.15 (paper) keeps the components above 15 % of the largest singular value; lower it
+for accuracy, raise it for traffic. Put the classifier head and embeddings in ``full_rank`` if accuracy drops.
+``sync="with-stale"`` sends ``(m + n) k`` per layer at a sync instead of ``m n`` (the paper's default); ``full`` is
+the exact world mean of W.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Dict, List, Optional
 
@@ -47,15 +38,15 @@ import torch
 
 from ...comm import Work
 from ...comm.base import flatten
+from ...payload import compressed_mean
 from ..averaging import clear_optimizer_state
-from ..base import AlgorithmState
-from ..parameters import size, tensors_to
-from ..sync import compressed_mean
+from ..contract import AlgorithmState
 from . import transitions
 from .groups import make_groups
-from .lowrank import Basis, format_layers, layer_compression, tall_view
+from .kept import ABKept
+from .lowrank import Basis, tall_view
 from .rebound import LRRebound
-from .schedule import AB, ENTER, SYNC, Clock, ab_phase_length, apply, events_before, needs_length
+from .schedule import AB, ENTER, SYNC, Clock
 
 
 def _optimizer_and_model(args, model, optimizer, kwargs):
@@ -79,7 +70,7 @@ def _optimizer_and_model(args, model, optimizer, kwargs):
     return optimizer, model
 
 
-class ABState(AlgorithmState):
+class ABState(ABKept, AlgorithmState):
     """Hook state for AB-training.
 
     One line after building the DDP model and the optimizer::
@@ -87,13 +78,11 @@ class ABState(AlgorithmState):
         state = commhooks.ddp.register(ddp_model, optimizer, "configs/ab_mnist1d.json")
 
     or by hand: ``state = commhooks.ABState(optimizer, model=ddp_model, warmup_steps=300, sync_period=100,
-    full_rank_steps=10, group_size=1)`` and ``ddp_model.register_comm_hook(state, commhooks.ab_hook)``.
-    Keyword arguments are the fields of :class:`ABConfig`; ``config=`` takes
-    a config object, dict or JSON path instead.  ``named_parameters``
-    replaces the model where only those are at hand (Horovod); without the
-    model, floating buffers are not averaged.  Built collectively: every
-    rank constructs it at the same point (it creates the groups and, when
-    ``warmup_steps == 0``, the first basis).
+    full_rank_steps=10, group_size=1)`` and ``ddp_model.register_comm_hook(state, commhooks.ab_hook)``. Keyword
+    arguments are the fields of :class:`ABConfig`; ``config=`` takes a config object, dict or JSON path instead.
+    ``named_parameters`` replaces the model where only those are at hand (Horovod); without the model, floating
+    buffers are not averaged.  Built collectively: every rank constructs it at the same point (it creates the
+    groups and, when ``warmup_steps == 0``, the first basis).
     """
 
     reduces_gradients = True
@@ -145,21 +134,19 @@ class ABState(AlgorithmState):
     # --------------------------------------------------------------- schedule
     def before_step(self) -> None:
         """Under ``sync_rule="qsr"``, size an AB phase from the lr it starts with."""
-        if needs_length(self.clock, self.config):
-            length = self.alignment.agree_on_period(ab_phase_length(self.step, self.lr(), self.config))
-            self.clock.phase_end = self.step + length
+        self.clock.size(self.step, self.lr, self.config, self.alignment.agree_on_period)
 
     def after_step(self) -> None:
         """Run the transitions due before the next step."""
         self._advance()
+        self.note_the_end()  # a full-rank step leaves the ranks agreeing (in_sync_at)
 
     def _advance(self) -> None:
-        for event in events_before(self.step, self.clock, self.config):
+        for event in self.clock.advance(self.step, self.config):
             if event == SYNC:
                 self.sync()
             elif event == ENTER:
                 self._enter()
-            apply(event, self.step, self.clock)
             self.last_switch = self.step
 
     # ------------------------------------------------------------- gradients
@@ -167,11 +154,10 @@ class ABState(AlgorithmState):
                          flat: Optional[torch.Tensor] = None) -> Work:
         """Start the reduction of one bucket's gradients, in place; return the in-flight work.
 
-        Warm-up and full-rank steps: the world mean of the gradients (``flat``,
-        if given, is the contiguous buffer the ``grads`` are views of, DDP's
-        bucket: reduced without a copy).  AB steps: an A-rank sends
-        ``G B^T``, a B-rank ``A^T G``, averaged inside its group, and hands
-        back the W-space gradient; dense tensors are averaged in the group.
+        Warm-up and full-rank steps: the world mean of the gradients (``flat``, if given, is the contiguous
+        buffer the ``grads`` are views of, DDP's bucket: reduced without a copy).  AB steps: an A-rank sends
+        ``G B^T``, a B-rank ``A^T G``, averaged inside its group, and hands back the W-space gradient; dense
+        tensors are averaged in the group.
         """
         if self.phase != AB:
             return self.comm.allreduce([flat] if flat is not None else grads, op="mean", async_op=True, tag="full-grad")
@@ -208,7 +194,7 @@ class ABState(AlgorithmState):
         if first and not self.bases:
             transitions.warn_nothing_compressed(self.step, self.candidates, self.config)
         clear_optimizer_state(self.optimizer, [self._param[n] for n in self.bases], self.engine.master_slices)
-        self.tensors_changed()
+        self.sync_context.changed()
         if self.config.payload != "fp32":  # identical on every rank now: the reference of the sync's deltas
             tensors = transitions.phase_start_tensors(self._param, self.bases, self.config.sync)
             self.entry = flatten([t.detach().float() for t in tensors]).clone()
@@ -233,11 +219,12 @@ class ABState(AlgorithmState):
 
     def _average_changes(self, tensors: List[torch.Tensor]) -> None:
         """The world mean of ``tensors`` as the phase's start minus the mean of the ranks' changes since then,
-        the changes sent compressed (``payload``) with the step proof (:func:`~.sync.compressed_mean`)."""
-        with self.collective_context():
-            proofs = compressed_mean(self.comm, tensors, self.entry, self.config.codec, self.step_proof(),
-                                     self.sync_buffers, tag="sync", seed=self.rounding_seed())
-        self.check_proof(proofs, None, "sync")
+        the changes sent compressed (``payload``) with the step proof (:func:`~commhooks.payload.compressed_mean`)."""
+        ctx = self.sync_context
+        with ctx.failures():
+            proofs = compressed_mean(self.comm, tensors, self.entry, self.config.codec, ctx.proof(),
+                                     self.sync_buffers, tag="sync", seed=ctx.rounding_seed())
+        ctx.check(proofs, None, "sync")
 
     def parameters_added(self, new) -> None:
         """Parameters that became trainable or joined an optimizer: synced from now on, kept dense."""
@@ -252,76 +239,12 @@ class ABState(AlgorithmState):
         was_ab = self.phase == AB
         super().final_sync()
         if was_ab and self.sync_steps and self.sync_steps[-1] == self.step:
-            apply(SYNC, self.step, self.clock)
+            self.clock.apply(SYNC, self.step)
             self.last_switch = self.step
 
     def wrap_scheduler(self, scheduler):
         """With ``rebound_steps > 0``: :class:`LRRebound` around ``scheduler``."""
         return LRRebound(scheduler, self) if self.config.rebound_steps > 0 else scheduler
-
-    # ----------------------------------------------------------------- report
-    def algorithm_report(self) -> dict:
-        """Per layer (name, shape, rank, compression) and the overall parameter compression.
-
-        The overall figure is the paper's headline metric: parameters of the
-        dense model over parameters of the factorised one (44.14:1 for VGG16).
-        Ranks are those of the latest AB entry.
-        """
-        layers, total, stored = layer_compression(self._param, self.ranks)
-        return {
-            "phase": self.phase,
-            "role": self.role,
-            "group": list(self.group.ranks),
-            "layers": layers,
-            "params_dense": total,
-            "params_factored": stored,
-            "compression": round(total / stored, 2) if stored else 1.0,
-        }
-
-    def algorithm_memory(self) -> Dict[str, int]:
-        """The bases of the current AB phase (A, B and the singular values; the residual W - AB of the first
-        phase when it is kept), the phase's starting point for compressed syncs and their reused buffers."""
-        size = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
-        out = {"ab_bases": sum(size(b.a) + size(b.b) + size(b.s) for b in self.bases.values()),
-               "ab_residuals": sum(size(b.residual) for b in self.bases.values()),
-               "ab_phase_start": size(self.entry), "sync_buffers": sum(map(size, self.sync_buffers.values()))}
-        return {k: v for k, v in out.items() if v}
-
-    def status(self) -> str:
-        compressed = sum(1 for k in self.ranks.values() if k is not None)
-        return f"phase {self.phase} | {compressed}/{len(self.ranks) or len(self.candidates)} layers compressed"
-
-    def format_report(self) -> str:
-        r = self.report()
-        lines = [f"AB report: step {r['step']}, phase {r['phase']}, role {r['role']} in group {r['group']}",
-                 *format_layers(r)]
-        lines.append("  bytes by phase: " + ", ".join(f"{t}={size(b)}" for t, b in sorted(r["bytes_by_tag"].items())))
-        return "\n".join(lines)
-
-    # ---------------------------------------------------------- checkpointing
-    def algorithm_state_dict(self) -> dict:
-        return {
-            "clock": dataclasses.asdict(self.clock),
-            "last_switch": self.last_switch,
-            "ranks": dict(self.ranks),
-            "entry": None if self.entry is None else self.entry.clone(),
-            "bases": {
-                n: {"a": b.a.clone(), "b": b.b.clone(), "s": b.s.clone(),
-                    "residual": None if b.residual is None else b.residual.clone()}
-                for n, b in self.bases.items()
-            },
-        }
-
-    def load_algorithm_state_dict(self, state: dict) -> None:
-        unknown = sorted(set(state["bases"]) - set(self._param))
-        if unknown:
-            raise ValueError(f"checkpoint has bases for parameters this model lacks: {unknown}")
-        self.clock = Clock(**state["clock"])
-        self.last_switch = state["last_switch"]
-        self.ranks = dict(state["ranks"])
-        # each layer's factors beside its weight (a model spread over devices keeps its layers where they are)
-        self.bases = {n: Basis(**tensors_to(b, self._param[n].device)) for n, b in state["bases"].items()}
-        self.entry = None if state.get("entry") is None else state["entry"].clone()
 
     def __repr__(self) -> str:
         return f"ABState(step={self.step}, phase={self.phase}, role={self.role}, group={self.group.ranks}, syncs={self.syncs})"

@@ -3,20 +3,20 @@
 Registered with the algorithm; the meter tests and ``commhooks plan`` read AB's bytes from here.  The phases
 (:mod:`.schedule`, AB x QSR's rule from ``setting.lr``) are known in advance; the factor ranks are not: each
 re-basis takes them from the weights' singular values.  So the declaration is exact for given ranks
-(``setting.factor_ranks``: layer -> rank as trained, None = kept dense, one mapping for every phase or a list,
-one per phase) and otherwise an upper bound (``exact=False``): every layer dense, which no rank exceeds
-(``m k <= m n``, ``k n <= m n``; ``(m + n) k <= m n`` with ``min_compression_rate >= 1``).  Per rank, ``N``
-parameter elements, a layer seen tall (``m >= n``):
+(``setting.factor_ranks``: layer -> rank as trained, None = kept dense, one mapping for every phase or a list, one
+per phase) and otherwise an upper bound (``exact=False``): every layer dense, which no rank exceeds (``m k <= m n``,
+``k n <= m n``; ``(m + n) k <= m n`` with ``min_compression_rate >= 1``).  Per rank, ``N`` parameter elements, a
+layer seen tall (``m >= n``):
 
 * warm-up and full-rank steps: the world's gradient mean, ``4 N`` (``full-grad``);
-* AB steps, in the group (none with ``local_group_steps`` or groups of one): an A-rank ``4 m k`` per
-  compressed layer, a B-rank ``4 k n``, and ``4 x`` each dense tensor (``ab-grad``, scope ``group``);
+* AB steps, in the group (none with ``local_group_steps`` or groups of one): an A-rank ``4 m k`` per compressed
+  layer, a B-rank ``4 k n``, and ``4 x`` each dense tensor (``ab-grad``, scope ``group``);
 * a re-basis: the ranks' agreement (``8`` bytes per candidate layer) and the factors' checksums (``32`` per
-  compressed layer) (``basis``; a broadcast of rank 0's factors where they differ is not declared: it depends
-  on the data);
+  compressed layer) (``basis``; a broadcast of rank 0's factors where they differ is not declared: it depends on
+  the data);
 * a sync: ``full`` the weights ``4 N``, ``with-stale`` the factors ``4 (m + n) k`` per compressed layer and the
-  dense tensors, with the step proof and buffers (``sync``); a ``payload`` other than fp32 sends the change
-  since the phase began by allgather (``proof + codec.nbytes``) or the two-step exchange
+  dense tensors, with the step proof and buffers (``sync``); a ``payload`` other than fp32 sends the change since
+  the phase began by allgather (``proof + codec.nbytes``) or the two-step exchange
   (:func:`~commhooks.algorithms.traffic.body_sends`), and the buffers apart (``sync-buffers``).
 """
 
@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 
 from ..traffic import Send, Setting, Traffic, averaged, body_sends
 from .groups import make_groups
-from .schedule import AB, ENTER, SYNC, Clock, ab_phase_length, apply, events_before, needs_length
+from .schedule import AB, ENTER, SYNC, Clock
 
 
 def _tall(shape) -> tuple:
@@ -98,7 +98,7 @@ def ab_traffic(config, setting: Setting) -> Traffic:
 
     def advance(step: int, out: List[Send]) -> None:
         nonlocal entry, began, typical_sync
-        for event in events_before(step, clock, c):
+        for event in clock.advance(step, c):
             if event == SYNC:
                 sends = sync_sends(ranks_at(entry - 1), began)
                 out += sends
@@ -109,12 +109,10 @@ def ab_traffic(config, setting: Setting) -> Traffic:
                 out += enter_sends(ranks_at(entry))
                 entry += 1
                 began = True
-            apply(event, step, clock)
 
     advance(0, before)
     for t in range(s.steps):
-        if needs_length(clock, c):
-            clock.phase_end = t + ab_phase_length(t, s.lr(t), c)
+        clock.size(t, lambda: s.lr(t), c)
         if clock.phase != AB:
             timeline[t].append(full_grad)
         elif group_size > 1 and not c.local_group_steps:

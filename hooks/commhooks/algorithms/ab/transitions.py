@@ -1,8 +1,7 @@
 """The transitions of AB-training: entering a phase (new bases, collective) and what the world sync averages.
 
-Functions of the parameters, the config and a :class:`Comm`; the state
-(:mod:`commhooks.algorithms.ab.state`) decides when to call them and sends
-the sync.
+Functions of the parameters, the config and a :class:`Comm`; the state (:mod:`commhooks.algorithms.ab.state`)
+decides when to call them and sends the sync.
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ import torch
 
 from ...comm import Comm
 from ...settings import ConfigError
-from ..consistency import nonfinite_anywhere, spread_over_ranks
-from ..parameters import user_stacklevel
+from ..contract.checks import nonfinite_anywhere, spread_over_ranks
+from ..contract.parameters import user_stacklevel
 from .config import ABConfig
 from .lowrank import Basis, basis_from_svd, compression_ratio, rank_of, svd, tall_view
 
@@ -26,11 +25,9 @@ def enter(comm: Comm, candidates: Sequence[Tuple[str, torch.Tensor]], config: AB
           when: str, untruncated: bool = False) -> Tuple[Dict[str, Basis], Dict[str, Optional[int]]]:
     """New bases for the compressible weights; W becomes A B (or A B + residual).
 
-    The rank of each weight is agreed as the MAX over all ranks; a layer whose
-    compression at that rank is below ``min_compression_rate`` stays dense
-    (rank ``None``).  ``untruncated`` (the authors' first entry): a chosen
-    layer's factors keep every component (W = A B exactly).  Returns
-    ``(bases, ranks)``, ranks as trained.
+    The rank of each weight is agreed as the MAX over all ranks; a layer whose compression at that rank is below
+    ``min_compression_rate`` stays dense (rank ``None``).  ``untruncated`` (the authors' first entry): a chosen
+    layer's factors keep every component (W = A B exactly).  Returns ``(bases, ranks)``, ranks as trained.
     """
     nonfinite_anywhere(comm, candidates, f"AB re-basis {when}: the SVD needs finite weights")
     mats = [tall_view(p.data)[0] for _, p in candidates]
@@ -77,10 +74,9 @@ def sync_tensors(params: Dict[str, torch.Tensor], bases: Dict[str, Basis], role:
                  mode: str) -> Tuple[List[torch.Tensor], Callable[[], None]]:
     """What a world sync averages (buffers aside), and the function that writes their mean back into W.
 
-    ``full``: every W itself (nothing to write back).  ``with-stale`` (the
-    paper's default): each rank's factors after its phase, recovered from W by
-    projection, costing ``(m + n) k`` per compressed layer instead of
-    ``m n``, and the dense tensors; W becomes mean(A) mean(B) (+ residual).
+    ``full``: every W itself (nothing to write back).  ``with-stale`` (the paper's default): each rank's factors
+    after its phase, recovered from W by projection, costing ``(m + n) k`` per compressed layer instead of ``m
+    n``, and the dense tensors; W becomes mean(A) mean(B) (+ residual).
     """
     if mode == "full" or not bases:
         return list(params.values()), lambda: None

@@ -1,41 +1,35 @@
-"""QSR's settings (:class:`QSRConfig`) and its rule (:func:`qsr_period`): the period of each round.
+"""QSR's settings (:class:`QSRConfig`), and the quadratic rule's keys every algorithm that syncs by it declares.
 
-Gu, Lyu, Arora, Zhang, Huang, "A Quadratic Synchronization Rule for
-Distributed Deep Learning", ICLR 2024 (arXiv 2310.14423).
+Gu, Lyu, Arora, Zhang, Huang, "A Quadratic Synchronization Rule for Distributed Deep Learning", ICLR 2024 (arXiv
+2310.14423).
 
-Every rank runs its own optimizer on its own data; no gradient crosses the
-network.  After ``H`` optimizer steps the ranks average their parameters
-(one flat allreduce), and the next period is chosen from the learning rate
-the next step will use::
+Every rank runs its own optimizer on its own data; no gradient crosses the network.  After ``H`` optimizer steps the
+ranks average their parameters (one flat allreduce), and the next period is chosen from the learning rate the next
+step will use::
 
     H = init_h                                            while step < warmup_steps
     H = max(1, min(total_steps - step,
                    max(h_base, floor((alpha / lr) ** power))))   otherwise
 
-``power=2`` is QSR; 1 and 3 are the comparison rules of the paper; ``alpha=0``
-is constant-period local SGD.  As the lr decays, H grows quadratically, so
-communication thins out exactly when it matters least for accuracy (the paper
+``power=2`` is QSR; 1 and 3 are the comparison rules of the paper; ``alpha=0`` is constant-period local SGD.  As the
+lr decays, H grows quadratically, so communication thins out exactly when it matters least for accuracy (the paper
 shows it even improves generalisation).
 
-Paper settings: ViT-B / local AdamW, ``h_base=4, alpha=0.0175``, peak lr
-0.008, cosine decay, 10k warm-up steps: syncs on ~10 % of the steps instead of
-25 % for constant H=4, with higher top-1 accuracy.
+Paper settings: ViT-B / local AdamW, ``h_base=4, alpha=0.0175``, peak lr 0.008, cosine decay, 10k warm-up steps:
+syncs on ~10 % of the steps instead of 25 % for constant H=4, with higher top-1 accuracy.
 
 Tuning advice:
 
 * ``h_base`` bounds the drift at peak lr; 2-8 is the useful range.
-* ``alpha`` sets where the rule takes over: ``(alpha/lr)**2 > h_base`` once
-  ``lr < alpha / sqrt(h_base)``.  The paper's ViT setting puts that point at
-  the peak lr (``alpha ~ peak_lr * sqrt(h_base)``); on MNIST-1D here (AdamW,
-  peak lr 0.003, h_base 4) alpha 0.006 syncs on 11 % of the steps and 0.01
-  on 4.7 %, both at DDP's accuracy.
-* ``warmup_steps`` must cover the lr warm-up: a tiny warm-up lr would give a
-  huge first period.
-* Leave ``average_optimizer_state`` off (the paper's code averages parameters
-  only); turn it on if local Adam moments drift apart on very skewed data.
-* BatchNorm running statistics are averaged at each sync
-  (``average_buffers``); integer buffers such as ``num_batches_tracked`` are
-  left alone.
+* ``alpha`` sets where the rule takes over: ``(alpha/lr)**2 > h_base`` once ``lr < alpha / sqrt(h_base)``.  The
+  paper's ViT setting puts that point at the peak lr (``alpha ~ peak_lr * sqrt(h_base)``); on MNIST-1D here
+  (AdamW, peak lr 0.003, h_base 4) alpha 0.006 syncs on 11 % of the steps and 0.01 on 4.7 %, both at DDP's
+  accuracy.
+* ``warmup_steps`` must cover the lr warm-up: a tiny warm-up lr would give a huge first period.
+* Leave ``average_optimizer_state`` off (the paper's code averages parameters only); turn it on if local Adam
+  moments drift apart on very skewed data.
+* BatchNorm running statistics are averaged at each sync (``average_buffers``); integer buffers such as
+  ``num_batches_tracked`` are left alone.
 """
 
 from __future__ import annotations
@@ -45,42 +39,52 @@ from typing import ClassVar, Dict, Literal, Optional
 from pydantic import Field, model_validator
 from typing_extensions import Annotated
 
-from .payload import PayloadFields
-from .rule import QuadraticRuleFields, rule_period
+from ...settings import HookConfig
+from ...payload import PayloadFields
+
+
+class QuadraticRuleFields(HookConfig):
+    """The rule's keys, declared once for every algorithm that syncs by it (a config base class)."""
+
+    # keys that follow the lr schedule: an engine that knows the schedule (DeepSpeed's scheduler section)
+    # fills them when the hook section leaves them unset; "total" = steps of the run, "warmup" = lr warm-up
+    schedule_keys: ClassVar[Dict[str, str]] = {"total_steps": "total"}
+
+    alpha: Annotated[float, Field(ge=0.0, description=(
+        "rule growth: H = max(h_base, floor((alpha/lr)^power)); 0 = constant period h_base. Start from "
+        "peak_lr * sqrt(h_base) and raise it to thin communication"))] = 0.0
+    h_base: Annotated[Optional[int], Field(ge=1, description=(
+        "shortest period between syncs, used at peak lr (null = the algorithm's default)"))] = None
+    power: Annotated[float, Field(gt=0.0, description="2 = QSR; 1 and 3 are the paper's comparison rules")] = 2.0
+    total_steps: Annotated[Optional[int], Field(ge=1, description=(
+        "total optimizer steps of the run, if known: no period runs past the end, so the run ends synced"))] = None
 
 
 class QSRConfig(QuadraticRuleFields, PayloadFields):
     """Local SGD / local AdamW synchronised by the Quadratic Synchronisation Rule.
 
-    After a sync, the next round lasts
-    ``H = max(h_base, floor((alpha / lr) ** power))`` optimizer steps
-    (``init_h`` while ``step < warmup_steps``; capped at the remaining steps when
-    ``total_steps`` is known; at least 1).
+    After a sync, the next round lasts ``H = max(h_base, floor((alpha / lr) ** power))`` optimizer steps
+    (``init_h`` while ``step < warmup_steps``; capped at the remaining steps when ``total_steps`` is known; at
+    least 1).
 
-    Tuning: ``h_base`` is the period at peak lr (the paper uses 4 for ViT-B
-    and 2 for ResNet).  The rule exceeds ``h_base`` once
-    ``lr < alpha / h_base ** (1 / power)``; the paper's ViT setting
-    (alpha 0.0175, peak lr 0.008, h_base 4) puts that point at the peak, so
-    the rule governs the whole decay: start from ``alpha ~ peak_lr *
-    sqrt(h_base)`` and raise it to thin communication further.
-    ``warmup_steps`` must cover the lr warm-up (a tiny warm-up lr would
-    otherwise give a huge H).  ``alpha = 0`` gives constant ``H = h_base``.
+    Tuning: ``h_base`` is the period at peak lr (the paper uses 4 for ViT-B and 2 for ResNet).  The rule exceeds
+    ``h_base`` once ``lr < alpha / h_base ** (1 / power)``; the paper's ViT setting (alpha 0.0175, peak lr
+    0.008, h_base 4) puts that point at the peak, so the rule governs the whole decay: start from ``alpha ~
+    peak_lr * sqrt(h_base)`` and raise it to thin communication further. ``warmup_steps`` must cover the lr
+    warm-up (a tiny warm-up lr would otherwise give a huge H).  ``alpha = 0`` gives constant ``H = h_base``.
 
-    A sync can be a DiLoCo outer step on the pseudo-gradient (``outer_lr``,
-    ``outer_momentum``) sent in fp32, bf16 or int8 (``payload``, with
-    ``error_feedback``), overlapped with the next ``overlap_steps`` local
-    steps and staggered in ``fragments``; see
-    :mod:`commhooks.algorithms.sync` and :mod:`commhooks.algorithms.payload`.  On MNIST-1D the combination QSR
-    periods + outer lr 0.7 / Nesterov 0.9 + int8 sends 1.3 % of DDP's bytes.
+    A sync can be a DiLoCo outer step on the pseudo-gradient (``outer_lr``, ``outer_momentum``) sent in fp32,
+    bf16 or int8 (``payload``, with ``error_feedback``), overlapped with the next ``overlap_steps`` local steps
+    and staggered in ``fragments``; see :mod:`commhooks.algorithms.sync` and
+    :mod:`commhooks.payload`.  On MNIST-1D the combination QSR periods + outer lr 0.7 / Nesterov 0.9
+    + int8 sends 1.3 % of DDP's bytes.
 
-    ``hierarchical`` (replica groups of k ranks, e.g. the GPUs of a node
-    sharing one network card): the ranks of a group hold the same weights,
-    so each sends only its 1/k of them across nodes and the group shares the
-    k parts over the node's own links afterwards: the node link carries one
-    model's worth of payload per sync instead of k (an allgather payload,
-    int8 or bf16, falls further: each part goes to one rank per group).  The
-    result is the same sync (identical weights; int8 blocks restart at each
-    part's start).  Turn it on whenever a node holds several ranks.
+    ``hierarchical`` (replica groups of k ranks, e.g. the GPUs of a node sharing one network card): the ranks of
+    a group hold the same weights, so each sends only its 1/k of them across nodes and the group shares the k
+    parts over the node's own links afterwards: the node link carries one model's worth of payload per sync
+    instead of k (an allgather payload, int8 or bf16, falls further: each part goes to one rank per group).  The
+    result is the same sync (identical weights; int8 blocks restart at each part's start).  Turn it on whenever
+    a node holds several ranks.
     """
 
     type: Literal["qsr"] = "qsr"
@@ -152,14 +156,3 @@ class QSRConfig(QuadraticRuleFields, PayloadFields):
     def warmup_h(self) -> int:
         """Period used while ``step < warmup_steps`` (``init_h``, default ``h_base``)."""
         return self.h_base if self.init_h is None else self.init_h
-
-
-def qsr_period(step: int, lr: float, config: QSRConfig) -> int:
-    """The synchronisation period for the round that starts at ``step``.
-
-    ``step`` is the number of optimizer steps already done; ``lr`` is the
-    learning rate of the round's first step.
-    """
-    if step < config.warmup_steps:
-        return config.warmup_h
-    return rule_period(step, lr, config, config.h_base)

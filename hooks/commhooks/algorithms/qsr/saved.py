@@ -1,9 +1,9 @@
-"""What a QSR sync keeps: its memory, by kind, and its checkpoint (exact resume, syncs in flight included).
+"""What a QSR state keeps: its memory, by kind, and its checkpoint (exact resume, syncs in flight included).
 
-Read by the state's ``memory()`` / ``report()`` and ``state_dict()`` / ``load_state_dict()``; the sync itself
-is :mod:`.sync`'s.  The checkpoint format: ``{"outers": [per fragment: anchor, buffer (outer momentum),
-residual, owner_residual, optimizer], "in_flight": {fragment: sent_at, apply_at, scale, sent_from, mean,
-proofs}}``; a plain mean keeps nothing (``None``).
+Read by the state's ``memory()`` / ``report()`` and ``state_dict()`` / ``load_state_dict()``; the sync itself is
+:mod:`.sync`'s.  The checkpoint format: ``{"outers": [per fragment: anchor, buffer (outer momentum), residual,
+owner_residual, optimizer], "in_flight": {fragment: sent_at, apply_at, scale, sent_from, mean, proofs}}``; a plain
+mean keeps nothing (``None``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Dict, Optional
 
 import torch
 
-from ..comm import Work
-from .alignment import STEP_PROOF_BYTES
-from .exchange import OwnerFeedback
+from ...comm import Work
+from ..contract import STEP_PROOF_BYTES
+from ...payload import OwnerFeedback
 from .sync import FragmentSync, InFlight, SyncDriver
 
 
@@ -117,3 +117,39 @@ def load(driver: SyncDriver, state: Optional[dict]) -> None:
             int(saved["sent_at"]), int(saved["apply_at"]),
             None if saved["sent_from"] is None else saved["sent_from"].clone(),
             Work(lambda r=(saved["mean"].clone(), saved["proofs"].clone()): r), float(saved.get("scale", 1.0)))
+
+
+class QSRKept:
+    """A mixin of :class:`~.state.QSRState`: its checkpoint (the open round, the outer state), memory, report."""
+
+    def algorithm_state_dict(self) -> dict:
+        state = {"since_sync": self.round.since, "H": self.round.period, "complete_at": self.sync_context.in_sync,
+                 "lr_sums": list(self.lr_sums)}
+        outer = save(self.driver)
+        return state if outer is None else {**state, "outer": outer}
+
+    def load_algorithm_state_dict(self, state: dict) -> None:
+        load(self.driver, state.get("outer"))
+        rnd = self.round  # the open round as saved, its syncs in flight as restored
+        rnd.period, rnd.since = None if state["H"] is None else int(state["H"]), int(state["since_sync"])
+        rnd.in_flight, rnd.anchored = dict(self.driver.in_flight), self.driver.anchored and self.plan.outer_step
+        # streamed rounds: the last complete sync (a plain one counts from the next sync, as before a resume)
+        self.sync_context.in_sync = state.get("complete_at") if self.plan.streaming else None
+        if len(state.get("lr_sums", ())) == len(self.lr_sums):
+            self.lr_sums = [float(v) for v in state["lr_sums"]]
+
+    def status(self) -> str:
+        phase = "warm-up" if self.step < self.config.warmup_steps else "rule"
+        return f"{phase} | H {self.H if self.H is not None else '-'} ({self.since_sync} since sync)"
+
+    def algorithm_memory(self) -> Dict[str, int]:
+        """Per fragment: anchor, outer momentum, error-feedback residual, the reused sync buffers; and, for a
+        compressed payload in flight, the gathered payloads of the group (size x payload bytes) and the mean."""
+        return memory(self.driver, self.comm.size if self.shards is None else self.shards.size)
+
+    def algorithm_report(self) -> dict:
+        gaps = [b - a for a, b in zip([0] + self.sync_steps[:-1], self.sync_steps)]
+        return {"H": self.H, "since_sync": self.since_sync,
+                "mean_H": round(sum(gaps) / len(gaps), 2) if gaps else None,
+                "H_range": [min(gaps), max(gaps)] if gaps else None,
+                "sync_fraction": round(self.syncs / self.step, 4) if self.step else None}

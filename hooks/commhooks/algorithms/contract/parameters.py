@@ -1,27 +1,19 @@
 """The tensors a state covers, by name, and the ones that join or go missing while training runs.
 
-A state syncs the model's trainable parameters (by name: config patterns
-match those), then any other tensor an optimizer holds (named by its place
-in it), or the tensors an engine handed over instead (DeepSpeed's fp32
-masters).  Training changes that set: a layer unfrozen or a parameter group
-added later is found before the next sync (:meth:`ParameterSet.new`); a
-trainable parameter the engine never hands over (a layer unfrozen after DDP
-built its buckets) is a *stray* the state reduces itself (:func:`reduce_strays`).
+A state syncs the model's trainable parameters (by name: config patterns match those), then any other tensor an
+optimizer holds (named by its place in it), or the tensors an engine handed over instead (DeepSpeed's fp32 masters).
+Training changes that set: a layer unfrozen or a parameter group added later is found before the next sync
+(:meth:`ParameterSet.new`); a trainable parameter the engine never hands over (a layer unfrozen after DDP built its
+buckets) is a *stray* the state reduces itself (:meth:`~.steps.StepAlignment.reduce_strays`).
 
-:func:`start_equal`: every rank starts from the first rank's synced tensors,
-as DDP's constructor and Horovod's ``broadcast_parameters`` make them.  An
-engine may leave them different (DeepSpeed with replica groups broadcasts
-inside each group only; a script that seeds no model), and a local method
-would then average the different starts at its first sync.  One 32-byte
-fingerprint comparison per group at set-up (a host read); only where the
-starts differ, a broadcast from the group's first rank, and a warning.
+:func:`start_equal`: every rank starts from the first rank's synced tensors, as DDP's constructor and Horovod's
+``broadcast_parameters`` make them.  An engine may leave them different (DeepSpeed with replica groups broadcasts
+inside each group only; a script that seeds no model), and a local method would then average the different starts at
+its first sync.  One 32-byte fingerprint comparison per group at set-up (a host read); only where the starts differ,
+a broadcast from the group's first rank, and a warning.
 
-What a state reports about them: :func:`report` (bytes sent against what
-plain allreduce of these tensors would send, memory kept), :func:`memory`,
-the ``log_every`` line.  And the small helpers every algorithm module uses:
-warnings that point at the user's line, the optimizer inside a framework's
-wrapper, checkpoint tensors moved to a device; a state's config and
-optimizers from its arguments.
+And the small helpers every algorithm module uses: warnings that point at the user's line, the optimizer inside a
+framework's wrapper, checkpoint tensors moved to a device; a state's config and optimizers from its arguments.
 """
 
 from __future__ import annotations
@@ -32,10 +24,10 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..settings import ConfigError
-from ..sources import from_fields, load_as
-from .averaging import local_part
-from .consistency import anywhere, same_everywhere, verify_same_everywhere
+from ...settings import ConfigError
+from ...sources import from_fields, load_as
+from ..averaging import local_part
+from .checks import anywhere, same_everywhere
 
 Named = List[Tuple[str, torch.Tensor]]
 
@@ -51,6 +43,13 @@ class ParameterSet:
         # (DeepSpeed's fp32 masters) to sync in their place
         own = {id(p) for p in module.parameters()} if module is not None else set()
         self.names_given = module is None or not {id(p) for _, p in self.named} <= own
+        self.flat_ids = {id(flat) for flat, _, _ in self.slices.values()}  # optimizer parameters seen as views
+        self.indexed()
+
+    def indexed(self) -> None:
+        """The lookups of :attr:`named` a step reads without a call: ``tensors``, ``ids``, ``name_of``."""
+        self.tensors = [p for _, p in self.named]
+        self.ids = set(map(id, self.tensors))
         self.name_of: Dict[int, str] = {id(p): n for n, p in self.named}
 
     def collect(self, named_parameters) -> Named:
@@ -89,14 +88,6 @@ class ParameterSet:
         flat, a, b = where
         return None if flat.grad is None else local_part(flat.grad).view(-1)[a:b]
 
-    def step_gradients(self, params: Sequence[torch.Tensor]) -> List[Tuple[int, Optional[torch.Tensor]]]:
-        """(position, :meth:`gradient`) of each covered tensor that the optimizer parameters ``params`` update,
-        at every step (the NaN guard's input): without views, the tensors themselves, no lookup per tensor."""
-        own = {id(p) for p in params}
-        if not self.slices:
-            return [(i, p.grad) for i, (_, p) in enumerate(self.named) if id(p) in own]
-        return [(i, self.gradient(p)) for i, (_, p) in enumerate(self.named) if id(self.optimized(p)) in own]
-
     def shape(self, p: torch.Tensor) -> tuple:
         """The shape the ranks compare for ``p`` at set-up: a view stands for the optimizer parameter it is part
         of (the parts differ in size inside a shard group: FSDP2's uneven rows, ZeRO-3's padded partitions)."""
@@ -106,8 +97,9 @@ class ParameterSet:
     def repoint(self) -> List[str]:
         """Take again each view whose parameter's storage was replaced since (FSDP2 gives a DTensor new local
         storage when the module is moved or re-materialized, ``model.to_empty(...)``, ``model.to(...)``; the
-        optimizer keeps the parameter, so a view of the old storage would be synced while training goes on in
-        the new).  A host-side look at each view's address, before a sync touches them; returns the names."""
+        optimizer keeps the parameter, so a view of the old storage would be synced while training goes on
+        in the new).  A host-side look at each view's address, before a sync touches them; returns the
+        names."""
         moved = []
         for i, (name, p) in enumerate(self.named):
             where = self.slices.get(id(p))
@@ -122,7 +114,7 @@ class ParameterSet:
                 self.slices[id(view)] = where
                 moved.append(name)
         if moved:
-            self.name_of = {id(p): n for n, p in self.named}
+            self.indexed()
         return moved
 
     def new(self) -> Named:
@@ -133,28 +125,7 @@ class ParameterSet:
 
     def add(self, new: Named) -> None:
         self.named = self.named + list(new)
-        self.name_of = {id(p): n for n, p in self.named}
-
-    def trainable(self) -> List[torch.Tensor]:
-        """Every parameter a step may change now: the module's trainable ones and every optimizer's."""
-        seen, out = set(), []
-        if self.module is not None and not self.names_given:
-            for p in self.module.parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        else:
-            for _, p in self.named:
-                seen.add(id(p))
-                out.append(p)
-            seen |= {id(flat) for flat, _, _ in self.slices.values()}  # covered by its views
-        for opt in self.optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if p.requires_grad and id(p) not in seen:
-                        seen.add(id(p))
-                        out.append(p)
-        return out
+        self.indexed()
 
     def allreduce_bytes(self) -> int:
         """What plain data parallelism sends per rank per optimizer step: one fp32 allreduce payload of the
@@ -196,69 +167,12 @@ class ParameterSet:
                 "replica groups sends no gradients and takes sparse ones")
 
 
-def reduce_strays(state, shadow: bool = False) -> None:
-    """Reduce, as :meth:`reduce_gradients` would, the gradients of trainable parameters the engine did not
-    hand over this step (DDP builds its buckets once: a layer unfrozen later is never in one), so the ranks
-    do not drift apart where the algorithm keeps them together.  Only when the engine reduced something
-    this step (it hands gradients over); a missing gradient counts as zero, so every rank sends the same.
-    ``shadow``: a joined rank's part (zeros, its gradients untouched), so the collectives pair up.
-
-    A parameter no rank had a gradient for keeps none, so its optimizer leaves it alone as DDP leaves an
-    unused parameter (a one-flag-per-stray allreduce and one host read per step while strays exist; rebuild
-    DDP after unfreezing to have none)."""
-    if not state._reduced:
-        return
-    strays = [p for p in state.parameter_set.trainable() if id(p) not in state._reduced]
-    state._reduced = set()
-    if not strays:
-        return
-    had = torch.tensor([0.0 if shadow or p.grad is None else 1.0 for p in strays], device=state.device)
-    if shadow:
-        grads = [torch.zeros_like(p) for p in strays]
-        missing = []
-    else:
-        missing = [p for p in strays if p.grad is None]
-        for p in missing:
-            p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in strays]
-    by_kind: Dict[tuple, List[int]] = {}
-    for i, g in enumerate(grads):
-        by_kind.setdefault((g.dtype, g.device), []).append(i)
-    with state.collective_context():
-        for same in by_kind.values():
-            state.reduce_gradients([grads[i] for i in same], [strays[i] for i in same]).wait()
-        state.comm.allreduce([had], op="max", tag="strays", metered=False)  # did any rank have a gradient?
-    if missing:
-        anyone = dict(zip(map(id, strays), had.tolist()))
-        for p in missing:
-            if not anyone[id(p)]:
-                p.grad = None
-
-
-def add_new_parameters(state) -> List[str]:
-    """``state.refresh_parameters()``: bring in parameters that became trainable or were added to an optimizer
-    since the state was built.  Called before each sync (local check; a handshake only when something changed,
-    and then on every rank that made the same change, as ranks running the same code do).  Returns the new
-    names."""
-    new = state.parameter_set.new()
-    if not new:
-        return []
-    verify_same_everywhere(state.comm, f"the {state.display_name} hook's new parameters",
-                           {"new": [(n, tuple(p.shape)) for n, p in new], "step": state.step})
-    state.parameter_set.add(new)
-    state.alignment.guard.extend([n for n, _ in new])
-    state.parameter_set.warn_unoptimized(new, state.display_name)
-    state.parameters_added(new)
-    return [n for n, _ in new]
-
-
-def start_equal(state) -> None:
-    """Every rank of ``state`` starts from the first rank's synced tensors (see the module docstring): where they
-    differ, a broadcast and a warning on every rank."""
-    if state.comm.size == 1:
-        return
-    comm, params, buffers = state.comm, [p for _, p in state.named_params], state.float_buffers()
-    group = state.start_group()
+def start_equal(comm, params: List[torch.Tensor], buffers: List[torch.Tensor], group, who: str) -> bool:
+    """Every rank starts from the first rank's ``params`` and ``buffers`` (``group``: that of this rank's shard
+    across replica groups, None: the world; see the module docstring): where they differ, a broadcast and a
+    warning on every rank.  True if the tensors changed (the engine must then refresh)."""
+    if comm.size == 1:
+        return False
     checks = [(params + buffers, None)] if group is None else [(params, group), (buffers, None)]
     fixed = []
     for tensors, over in checks:
@@ -272,12 +186,12 @@ def start_equal(state) -> None:
         if anywhere(comm, bool(fixed), tag="start") and not fixed:
             fixed.append("another group's shards")
     if fixed:
-        state.tensors_changed()
         warnings.warn(
-            f"{state.display_name}: the ranks started from different weights ({' and '.join(fixed)} differed); "
+            f"{who}: the ranks started from different weights ({' and '.join(fixed)} differed); "
             "every rank now starts from the first rank's, as DDP's constructor and Horovod's "
             "broadcast_parameters do (seed the model the same on every rank, torch.manual_seed, to start there "
             "yourself)", stacklevel=user_stacklevel())
+    return bool(fixed)
 
 
 # ------------------------------------------------------------------ helpers
@@ -298,8 +212,8 @@ def user_stacklevel() -> int:
 
 def unwrap_optimizer(optimizer):
     """The torch optimizer inside a framework's wrapper (Accelerate's ``AcceleratedOptimizer``, Lightning's
-    ``LightningOptimizer``: both keep it as ``.optimizer``); the optimizer itself otherwise.  The step hooks
-    the state registers must sit on the optimizer whose ``step()`` really runs."""
+    ``LightningOptimizer``: both keep it as ``.optimizer``); the optimizer itself otherwise.  The step hooks the
+    state registers must sit on the optimizer whose ``step()`` really runs."""
     seen = set()
     while id(optimizer) not in seen:
         seen.add(id(optimizer))
@@ -339,56 +253,3 @@ def optimizer_list(optimizer) -> list:
     if not opts or len({id(o) for o in opts}) != len(opts):
         raise ConfigError("optimizer must be an optimizer or a non-empty list of distinct optimizers")
     return opts
-
-
-# ------------------------------------------------------------ what a state reports
-
-
-def report(state) -> dict:
-    """:meth:`~.base.AlgorithmState.report`: steps, syncs, bytes sent (total and per tag), what plain allreduce would have
-    sent, memory kept, plus the algorithm's own figures."""
-    sent, dense = state.meter.bytes(), state.step * state.parameter_set.allreduce_bytes()
-    kept = state.memory()
-    weights = sum(p.numel() * p.element_size() for _, p in state.named_params)
-    return {"algorithm": state.name, "step": state.step, "syncs": state.syncs, "skipped_steps": state.skipped_steps,
-            "bytes": sent, "bytes_by_tag": state.meter.by_tag(), "allreduce_bytes": dense,
-            "bytes_vs_allreduce": round(sent / dense, 4) if dense else None,
-            "memory_bytes": kept, "memory_vs_weights": round(kept["total"] / weights, 3) if weights else None,
-            **state.algorithm_report()}
-
-
-def memory(state) -> Dict[str, int]:
-    """:meth:`~.base.AlgorithmState.memory`: the algorithm's kinds (anchor, outer momentum, residual, sync buffers, syncs
-    in flight, AB bases ...), the NaN guard's record, and their ``total``."""
-    kinds = dict(state.algorithm_memory())
-    first = state.alignment.guard.first
-    if first is not None:
-        kinds["nonfinite_guard"] = first.numel() * 8
-    kinds["total"] = sum(kinds.values())
-    return kinds
-
-
-def log_line(state) -> str:
-    """The ``log_every`` line: step, the algorithm's :meth:`~.base.AlgorithmHooks.status`, syncs, bytes against plain
-    allreduce."""
-    sent, dense = state.meter.bytes(), state.step * state.parameter_set.allreduce_bytes()
-    share = f" ({sent / dense:.1%})" if dense else ""
-    status = state.status()
-    return (f"{state.display_name} step {state.step}{' | ' + status if status else ''} | syncs {state.syncs} | "
-            f"sent {size(sent)}{share} of plain allreduce's {size(dense)}")
-
-
-def format_report(name: str, r: dict) -> str:
-    """A :meth:`~.base.AlgorithmState.report` as lines for a log."""
-    head = f"{name} report: step {r['step']}, syncs {r['syncs']}, {size(r['bytes'])} sent"
-    rest = [f"  {k}: {v}" for k, v in r.items() if k not in ("algorithm", "step", "syncs", "bytes", "bytes_by_tag")]
-    tags = "  bytes by tag: " + ", ".join(f"{t}={size(b)}" for t, b in sorted(r["bytes_by_tag"].items()))
-    return "\n".join([head, *rest, tags])
-
-
-def size(nbytes: float) -> str:
-    """Bytes in a unit that shows them: ``1.64 kB``, ``19.28 MB`` (a small model's sends are not ``0.00 MB``)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} B"

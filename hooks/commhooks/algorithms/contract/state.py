@@ -1,19 +1,18 @@
 """The algorithm contract: what every commhooks algorithm is, and how the engines drive it.
 
 An algorithm is a *state object* (a subclass of :class:`AlgorithmState`, overriding the hooks of
-:class:`AlgorithmHooks`) plus a config class (a subclass of :class:`~commhooks.settings.HookConfig`),
-registered once with :func:`commhooks.register_algorithm`.  The base owns everything algorithms share, so a
-subclass holds only its algorithm: the config (an object, a dict, a JSON path or keyword arguments); the
-:class:`~commhooks.comm.Comm` (default: ``torch.distributed`` over ``process_group``) and its byte meter; the
-start-up handshake (config, world size, parameter names and shapes, version and :meth:`~AlgorithmHooks.describe`
-agree on every rank, or every rank raises the same ConfigError before training); an equal start (after
-:meth:`~AlgorithmHooks.start` every rank holds rank 0's weights, :func:`~.parameters.start_equal`; then
-:meth:`~AlgorithmHooks.begin`); the step counters, the post-sync check (``check_every``); a run that ends synced
-and torch's Joinable protocol; ``report()``, ``memory()``, the ``log_every`` line; ``state_dict``.  Two
-collaborators do the rest: ``state.parameter_set`` (:class:`~.parameters.ParameterSet`: the tensors covered,
-parameters that join later, strays) and ``state.alignment`` (:class:`~.step_alignment.StepAlignment`: the
-optimizer step hooks, GradScaler, the NaN/Inf guard, step proofs, period agreement, Join shadowing, the
-end-of-run warning).
+:class:`AlgorithmHooks`) plus a config class (a subclass of :class:`~commhooks.settings.HookConfig`), registered
+once with :func:`commhooks.register_algorithm`.  The base owns everything algorithms share, so a subclass holds only
+its algorithm: the config (an object, a dict, a JSON path or keyword arguments); the :class:`~commhooks.comm.Comm`
+(default: ``torch.distributed`` over ``process_group``) and its byte meter; the start-up handshake (config, world
+size, parameter names and shapes, version and :meth:`~AlgorithmHooks.describe` agree on every rank, or every rank
+raises the same ConfigError before training); an equal start (after :meth:`~AlgorithmHooks.start` every rank holds
+rank 0's weights, :func:`~.parameters.start_equal`; then :meth:`~AlgorithmHooks.begin`); the step counters, the
+post-sync check (``check_every``); a run that ends synced and torch's Joinable protocol; ``report()``, ``memory()``,
+the ``log_every`` line; ``state_dict``.  Two collaborators do the rest: ``state.parameter_set``
+(:class:`~.parameters.ParameterSet`: the tensors covered, parameters that join later, strays) and
+``state.alignment`` (:class:`~.step_alignment.StepAlignment`: the optimizer step hooks, GradScaler, the NaN/Inf
+guard, step proofs, period agreement, Join shadowing, the end-of-run warning).
 
 The interface the engines drive (an adapter calls only these, and chooses what to call from what the state
 *declares*, never from its name):
@@ -33,30 +32,33 @@ The interface the engines drive (an adapter calls only these, and chooses what t
 ``state_dict()`` / ``load_state_dict()``, ``report()``
     Everything needed to resume exactly, per rank; a plain dict of what the algorithm did.
 
-Engine facts reach the state as an :class:`~commhooks.facts.EngineFacts`: adapters pass them; for a state built
-by hand the base derives them with :func:`commhooks.facts.for_model`.  Algorithm code never reads an engine
-attribute or an environment variable itself.
+Engine facts reach the state as an :class:`~commhooks.facts.EngineFacts`: adapters pass them; for a state built by
+hand the base derives them with :func:`commhooks.facts.for_model`.  Algorithm code never reads an engine attribute
+or an environment variable itself.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
+import weakref
 from typing import ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import comm as comms
-from .._version import __version__
-from ..comm import Comm, Work
-from ..facts import EngineFacts, for_model
-from ..settings import HookConfig, to_dict
-from .alignment import ShadowJoinHook, named_failures
-from .averaging import average_, float_buffers
-from .consistency import verify_identical, verify_same_everywhere
-from .parameters import ParameterSet, add_new_parameters, optimizer_list, resolve_config, start_equal
-from .parameters import format_report, log_line, memory, report, tensors_to, unwrap_optimizer
-from .step_alignment import StepAlignment, note_the_end, watch_the_end
+from ... import comm as comms
+from ..._version import __version__
+from ...comm import Comm, Work
+from ...facts import EngineFacts, for_model
+from ...settings import HookConfig, to_dict
+from ..averaging import average_, float_buffers
+from .amp import AmpScaling
+from .checks import verify_same_everywhere
+from .join import Joinable
+from .report import Reporting
+from .parameters import ParameterSet, optimizer_list, resolve_config, start_equal, tensors_to, unwrap_optimizer
+from .steps import NonfiniteGuard, StepAlignment, SyncContext
 
 log = logging.getLogger("commhooks")
 
@@ -68,9 +70,9 @@ class AlgorithmHooks:
     implement :meth:`after_step` (and :meth:`before_step`, :meth:`reduce_gradients`, :meth:`sync` as needed),
     keep resumable state in :meth:`algorithm_state_dict`; then one registry line (the design page, "Adding an
     algorithm").  A sync made with :meth:`~AlgorithmState.average` carries the step proof (ranks at different
-    steps, or a NaN/Inf gradient anywhere, raise on every rank); one made otherwise sends
-    :meth:`~AlgorithmState.step_proof` in its payload and calls :meth:`~AlgorithmState.check_proof` after, inside
-    :meth:`~AlgorithmState.collective_context`, then :meth:`~AlgorithmState.synced`."""
+    steps, or a NaN/Inf gradient anywhere, raise on every rank); one made otherwise hands its sync code
+    ``self.sync_context`` (:class:`~.steps.SyncContext`), which sends ``proof()`` in its payload and calls
+    ``check()`` after, inside ``failures()``, then ``synced()``."""
 
     name: ClassVar[str] = ""  # set by register_algorithm
     config_class: ClassVar[type] = HookConfig  # set by register_algorithm
@@ -89,8 +91,9 @@ class AlgorithmHooks:
     def data_parallel_groups(cls, config, world_size: int,
                              local_world_size: Optional[int]) -> Optional[List[Tuple[int, ...]]]:
         """The groups inside which the engine's own data parallelism (gradients averaged every step, optimizer
-        state sharded) may run unchanged: those of :meth:`groups_needed` if ``engine_data_parallel``, else ``None``.
-        An engine that can (DeepSpeed through ``mpu``) passes ``EngineFacts(replica_data_parallel=True)``."""
+        state sharded) may run unchanged: those of :meth:`groups_needed` if ``engine_data_parallel``, else
+        ``None``. An engine that can (DeepSpeed through ``mpu``) passes
+        ``EngineFacts(replica_data_parallel=True)``."""
         return cls.groups_needed(config, world_size, local_world_size) if cls.engine_data_parallel else None
 
     def validate(self) -> None:
@@ -152,15 +155,15 @@ class AlgorithmHooks:
         return scheduler
 
 
-class AlgorithmState(AlgorithmHooks):
+class AlgorithmState(AlgorithmHooks, Joinable, Reporting):
     """Base class of every algorithm's state; the module docstring is the contract.
 
     ``optimizer``: the optimizer whose steps drive the schedule, or a list of them in the order the loop steps
-    them (the first one's pre-hook starts an iteration, the last one's post-hook ends it; the parameters of all
-    are synced).  ``model``: the (possibly wrapped) model; ``named_parameters`` replaces it where only those are
-    at hand (Horovod).  ``engine``: facts from the adapter (default: derived from ``model``).  ``comm`` /
-    ``process_group``: where the collectives go.  ``config=`` (object, dict, JSON path) or keyword settings, not
-    both.  Built collectively: every rank constructs it at the same point (the handshake is a collective).
+    them (the first one's pre-hook starts an iteration, the last one's post-hook ends it).  ``model``: the
+    (possibly wrapped) model; ``named_parameters`` replaces it where only those are at hand (Horovod).
+    ``engine``: facts from the adapter (default: derived from ``model``).  ``comm`` / ``process_group``: where
+    the collectives go.  ``config=`` (object, dict, JSON path) or keyword settings, not both.  Built
+    collectively: every rank constructs it at the same point (the handshake is a collective).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, model: Optional[torch.nn.Module] = None,
@@ -174,30 +177,40 @@ class AlgorithmState(AlgorithmHooks):
         self.module = self.engine.module
         self.parameter_set = ParameterSet(self.module, self.optimizers, named_parameters, self.engine.master_slices)
         self.device = next((p.device for _, p in self.named_params), torch.device("cpu"))
-        self.alignment = StepAlignment(self, [n for n, _ in self.named_params])  # step hooks, scaler, NaN guard
         self.validate()  # local checks first: a bad setting raises on every rank before any collective
         self.comm = comm if comm is not None else comms.TorchComm(process_group, timeout_s=self.config.timeout_s,
                                                                   device=self.device)
         self.comm.device = self.device
-        self.step = self.syncs = self.skipped_steps = 0
-        self.sync_steps: List[int] = []  # optimizer steps after which a sync happened (this process)
-        self.joined = False  # True while this rank shadows the others inside a Join context
+        amp = AmpScaling(self.display_name, lambda: self.reduces_gradients)
+        self.sync_context = SyncContext(self.comm, self.display_name, self.optimizer,
+                                        NonfiniteGuard([n for n, _ in self.named_params]), amp, self.config,
+                                        self.engine.tensors_changed, self.identical_named)
+        self.alignment = StepAlignment(self, self.sync_context, self.parameter_set, amp)
         self.join_ended_by_engine = False  # an engine's Join hook ran end_join already (DDP's, before its broadcast)
-        self._join_config = None  # set by torch's Join context manager
-        self._reduced: set = set()  # ids of the parameters the engine handed over this step (reduce_bucket)
-        self._warned_end, self._end = False, None  # the end-of-run check (step_alignment.watch_the_end)
         self.setup()
         verify_same_everywhere(self.comm, f"the {self.display_name} hook", {
             "config": to_dict(self.config), "world": self.comm.size, "version": __version__,
             "params": [(n, self.parameter_set.shape(p)) for n, p in self.named_params], **self.describe()})
         self.start()
-        start_equal(self)
+        if start_equal(self.comm, [p for _, p in self.named_params], self.float_buffers(), self.start_group(),
+                       self.display_name):
+            self.sync_context.changed()
         self.begin()
         self.parameter_set.warn_unoptimized(self.named_params, self.display_name)
         if not self.engine.drives_steps:
             self.alignment.hook(self.optimizers)
+        if self.runs_apart:  # a run that ends between two syncs is warned about when the state goes
+            self.sync_context.end = RunEnd(self.display_name)
+            self.end_check = weakref.finalize(self, _warn_if_ended_apart, self.sync_context.end, weakref.ref(self))
         if self.engine.attach is not None:
             self.engine.attach(self)
+
+    # ------------------------------------------------------------ the counters (kept by the sync context)
+    step = property(lambda self: self.sync_context.step, lambda self, v: setattr(self.sync_context, "step", v))
+    syncs = property(lambda self: self.sync_context.syncs, lambda self, v: setattr(self.sync_context, "syncs", v))
+    skipped_steps = property(lambda self: self.sync_context.skipped_steps,
+                             lambda self, v: setattr(self.sync_context, "skipped_steps", v))
+    sync_steps = property(lambda self: self.sync_context.sync_steps, doc="Steps after which a sync completed.")
 
     @property
     def named_params(self) -> List[Tuple[str, torch.Tensor]]:
@@ -217,28 +230,20 @@ class AlgorithmState(AlgorithmHooks):
 
     # ------------------------------------------------------------ driven by engines
     def begin_step(self) -> None:
-        """Before each iteration's first optimizer step: tell a Join context this rank trains; :meth:`before_step`."""
+        """Before an iteration's first optimizer step, for engines that drive the steps: :meth:`before_step`."""
         if self._join_config is not None and self._join_config.enable:
             self.comm.notify_join(self)
         self.before_step()
 
     def end_step(self) -> None:
-        """After each optimizer step (the last optimizer's post-hook): count it, then :meth:`after_step`; every
-        ``log_every`` steps a log line.  Not after a step that is no training step (:meth:`not_a_training_step`)."""
-        if not self.alignment.counts_this_step():
-            return
-        self.step += 1
-        watch_the_end(self)
-        self.after_step()
-        note_the_end(self)
-        if self.config.log_every and self.step % self.config.log_every == 0 and self.comm.rank == 0:
-            log.info(log_line(self))
+        """After each optimizer step (the last optimizer's post-hook): count it, then :meth:`after_step`."""
+        self.alignment.end_step()
 
     def reduce_bucket(self, grads: List[torch.Tensor], params: List[torch.Tensor],
                       flat: Optional[torch.Tensor] = None) -> Work:
         """What engines call with each bucket of gradients: :meth:`reduce_gradients`, noting the parameters."""
         self.parameter_set.refuse_sparse(grads, params, flat, self.display_name)
-        self._reduced.update(map(id, params))
+        self.alignment.reduced.update(map(id, params))
         return self.reduce_gradients(grads, params, flat)
 
     def not_a_training_step(self) -> None:
@@ -258,7 +263,7 @@ class AlgorithmState(AlgorithmHooks):
     def state_dict(self) -> dict:
         """The counters and :meth:`algorithm_state_dict`; NonFiniteError after a NaN/Inf gradient (``"raise"``)."""
         if self.alignment.guard.seen() is not None:
-            self.alignment.raise_nonfinite(1, f"checkpoint at step {self.step}")
+            self.sync_context.raise_nonfinite(1, f"checkpoint at step {self.step}")
         return {"step": self.step, "syncs": self.syncs, "skipped_steps": self.skipped_steps,
                 "config": to_dict(self.config), "meter": self.meter.snapshot(), **self.algorithm_state_dict()}
 
@@ -286,9 +291,8 @@ class AlgorithmState(AlgorithmHooks):
 
     # ------------------------------------------------------------ offered to algorithms
     def lr(self) -> float:
-        """The lr a sync rule reads: the first param group's ``scheduled_lr`` (an lr wrapper's) or ``lr``."""
-        group = self.optimizer.param_groups[0]
-        return float(group.get("scheduled_lr", group["lr"]))
+        """The lr a sync rule reads (:meth:`~.steps.SyncContext.lr`)."""
+        return self.sync_context.lr()
 
     def float_buffers(self) -> List[torch.Tensor]:
         """The module's floating buffers (BatchNorm statistics), unless the engine re-broadcasts them."""
@@ -296,47 +300,31 @@ class AlgorithmState(AlgorithmHooks):
 
     def average(self, tensors: Sequence[torch.Tensor], group=None, tag: str = "sync") -> None:
         """Average ``tensors`` in place over ``group`` (default: the world), the step proof riding along."""
-        proof = self.step_proof()
-        with self.collective_context():
+        ctx = self.sync_context
+        proof = ctx.proof()
+        with ctx.failures():
             average_(self.comm, tensors, group=group, tag=tag, rider=proof)
-        self.check_proof(proof, group, tag)
+        ctx.check(proof, group, tag)
 
-    def step_proof(self) -> torch.Tensor:
-        """This rank's step proof, on the synced tensors' device, to ride in a sync's payload."""
-        return self.alignment.proof()
-
-    def check_proof(self, mean: torch.Tensor, group, tag: str, step: Optional[int] = None) -> None:
-        """After a sync: check the ranks' mean proof (made at ``step``, default now); raises on every rank."""
-        self.alignment.check(mean, group, tag, step)
-
-    def collective_context(self):
-        """A failed or timed-out sync collective names the step and the usual causes (a context manager)."""
-        return named_failures(self.step)
-
-    def rounding_seed(self) -> int:
-        """Stochastic rounding's seed: a function of the rank and the step only (a resumed run rounds alike)."""
-        return (self.step * 1_000_003 + self.comm.rank) % (2 ** 61)
-
-    def synced(self, group=None) -> None:
-        """Count a completed sync, let the engine refresh; every ``check_every``-th, prove ``group`` agrees."""
-        self.tensors_changed()
-        self.syncs += 1
-        self.sync_steps.append(self.step)
-        note_the_end(self)
-        if self.config.check_every and self.syncs % self.config.check_every == 0:
-            verify_identical(self.comm, self.identical_named(),
-                             f"after {self.display_name} sync {self.syncs} (step {self.step})", group=group)
-
-    def tensors_changed(self) -> None:
-        """Tell the engine the synced tensors changed outside an optimizer step (after a sync, a re-basis)."""
-        if self.engine.tensors_changed is not None:
-            self.engine.tensors_changed()
+    def synced(self, group=None, complete: bool = True) -> None:
+        """Count a completed sync (:meth:`~.steps.SyncContext.synced`)."""
+        self.sync_context.synced(group, complete)
 
     def refresh_parameters(self) -> List[str]:
-        """Bring in parameters that became trainable or joined an optimizer since; returns their names."""
-        return add_new_parameters(self)
+        """Bring in parameters that became trainable or joined an optimizer since (a local check; a handshake
+        only when something changed, on every rank that made the same change); returns their names."""
+        new = self.parameter_set.new()
+        if not new:
+            return []
+        verify_same_everywhere(self.comm, f"the {self.display_name} hook's new parameters",
+                               {"new": [(n, tuple(p.shape)) for n, p in new], "step": self.step})
+        self.parameter_set.add(new)
+        self.alignment.guard.extend([n for n, _ in new])
+        self.parameter_set.warn_unoptimized(new, self.display_name)
+        self.parameters_added(new)
+        return [n for n, _ in new]
 
-    # ------------------------------------------------------------ the run's end, torch's Joinable protocol
+    # ------------------------------------------------------------ the run's end
     def __enter__(self):
         """``with state:`` around the training loop: its exit ends the run synced (:meth:`finish`)."""
         return self
@@ -349,7 +337,7 @@ class AlgorithmState(AlgorithmHooks):
     def finish(self) -> None:
         """End the run with the same model on every rank (collective: every rank, after its last step)."""
         self.final_sync()
-        note_the_end(self)
+        self.note_the_end()
 
     def final_sync(self) -> None:
         """Sync if the last round was left open (the end of a run: ``finish()``, a Join with uneven inputs)."""
@@ -359,42 +347,39 @@ class AlgorithmState(AlgorithmHooks):
 
     def in_sync_at(self) -> Optional[int]:
         """The optimizer step right after which every rank last held the same weights (``None``: not yet)."""
-        return self.sync_steps[-1] if self.sync_steps else None
+        return self.sync_context.in_sync
 
-    def join_hook(self, **kwargs) -> ShadowJoinHook:
-        """torch's Joinable protocol: ``with Join([ddp_model, state]):`` (ranks with fewer batches shadow)."""
-        return ShadowJoinHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
-
-    @property
-    def join_process_group(self):
-        return self.comm.world.handle
-
-    # ------------------------------------------------------------ what it tells its user
-    def report(self) -> dict:
-        """What the algorithm did, a plain dict for your logger: steps, syncs, bytes (by tag, against allreduce)."""
-        return report(self)
-
-    def memory(self) -> Dict[str, int]:
-        """Device memory the algorithm keeps beyond the model and its optimizer, by kind, and ``total``."""
-        return memory(self)
-
-    def format_report(self) -> str:
-        """:meth:`report` as lines for a log."""
-        return format_report(type(self).__name__, self.report())
+    def note_the_end(self) -> None:
+        """Where the run stands, for the end-of-run warning (:func:`_warn_if_ended_apart`)."""
+        if self.sync_context.end is not None:
+            self.sync_context.end.step, self.sync_context.end.in_sync = self.step, self.in_sync_at()
 
     def use_scaler(self, scaler) -> None:
         """Keep a ``torch.amp.GradScaler``'s scale equal on every rank (the smallest, where they parted)."""
         self.alignment.scaler = scaler
 
-    @property
-    def scaler(self):
-        """Deprecated: ``state.alignment.scaler`` (set by :meth:`use_scaler`)."""
-        warnings.warn("state.scaler is deprecated: read state.alignment.scaler", DeprecationWarning, stacklevel=2)
-        return self.alignment.scaler
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}(step={self.step}, syncs={self.syncs})"
+
+
+class RunEnd:
+    """Where a run whose ranks differ between syncs stands: its last step, and the step after which the ranks last
+    held the same weights (kept up by the sync context), read by the end-of-run check once the state is gone."""
+
+    def __init__(self, name: str):
+        self.name, self.step, self.in_sync = name, 0, None
+
+
+def _warn_if_ended_apart(end: RunEnd, ref) -> None:
+    """The run is over (its state dropped, or the process exiting): warn if its last step left the ranks with
+    different models.  Not after an uncaught error: its traceback is the news."""
+    state = ref()
+    if state is not None:  # the process is exiting with the state alive: ask it
+        state.note_the_end()
+    if getattr(sys, "last_value", None) is not None or end.step == 0 or end.in_sync == end.step:
+        return
+    warnings.warn(
+        f"{end.name}: the run ended at step {end.step}, between two syncs: each rank holds its own model. Call "
+        "state.finish() after the loop (or wrap it in `with state:`), or set total_steps (the last period then "
+        "ends with a sync; commhooks train fills it from --steps, DeepSpeed from its scheduler's "
+        "total_num_steps)", UserWarning, stacklevel=2)

@@ -5,33 +5,33 @@ Registered with the algorithm (``register_algorithm(QSRConfig, QSRState, traffic
 
 * every step, with replica groups of ``g >= 2`` ranks (unless the engine averages inside them): the group's
   gradient mean, ``4 N`` (``group-grad``, scope ``group``);
-* a sync, plain averaging: the parameters (``hierarchical``: this rank's ``1/g`` part, ``across``) with the
-  step proof, buffers and optimizer moments in the same call (``sync``); hierarchical: the part shared in the
-  group afterwards (``share-part``, a broadcast of ``4 x part``);
+* a sync, plain averaging: the parameters (``hierarchical``: this rank's ``1/g`` part, ``across``) with the step
+  proof, buffers and optimizer moments in the same call (``sync``); hierarchical: the part shared in the group
+  afterwards (``share-part``, a broadcast of ``4 x part``);
 * a sync, outer step (``outer_lr``, ``outer_momentum``, ``payload``, ``overlap_steps``, ``fragments``): each
-  fragment's pseudo-gradient with its own step proof, fp32 by allreduce, any other codec by allgather of
-  ``proof + codec.nbytes(fragment)`` or by the two-step exchange (an all-to-all when sent, an allgather when it
-  lands: :func:`~commhooks.algorithms.traffic.body_sends`) (``sync``, ``sync-f<k>``), an overlapped sync's
-  calls when sent marked with the steps they run behind (``Send.behind``: the planner hides them behind those
-  steps' compute); buffers (``sync-buffers``) and moments (``sync-moments``) each with a proof; unless every
-  rank starts from the same weights (``setting.same_start``: DDP and Horovod's ``broadcast_parameters`` see to
-  it), the anchor once at the first step (``anchor``, ``4 x`` the synced elements); hierarchical: each landed
-  fragment shared in the group.
+  fragment's pseudo-gradient with its own step proof, fp32 by allreduce, any other codec by allgather of ``proof +
+  codec.nbytes(fragment)`` or by the two-step exchange (an all-to-all when sent, an allgather when it lands:
+  :func:`~commhooks.algorithms.traffic.body_sends`) (``sync``, ``sync-f<k>``), an overlapped sync's calls when
+  sent marked with the steps they run behind (``Send.behind``: the planner hides them behind those steps'
+  compute); buffers (``sync-buffers``) and moments (``sync-moments``) each with a proof; unless every rank starts
+  from the same weights (``setting.same_start``: DDP and Horovod's ``broadcast_parameters`` see to it), the anchor
+  once at the first step (``anchor``, ``4 x`` the synced elements); hierarchical: each landed fragment shared in
+  the group.
 
-The plan (groups, parts, outer step or plain mean, fragment sizes) and each step's events (what lands, what is
-sent, when a round ends) are the state's own: :class:`~commhooks.algorithms.plan.SyncPlan` and
-:func:`~commhooks.algorithms.plan.step_events`; the rule's periods come from ``setting.lr``.  Nothing here
-simulates the schedule a second time: each event is mapped to the calls it makes.
+The plan (groups, parts, outer step or plain mean, fragment sizes) and the rounds (each step's events: what lands,
+what is sent, when a round ends; the anchor) are the state's own: :class:`~.plan.SyncPlan` and
+:class:`~.state.Round`, replayed here with the rule's periods from ``setting.lr``.  Nothing here simulates the
+schedule a second time: each event is mapped to the calls it makes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
+from typing import List
 
-from .plan import SyncPlan, row_shard_numel, runs, step_events
-from .qsr_config import qsr_period
-from .traffic import Send, Setting, Traffic, averaged, body_sends
+from ..traffic import Send, Setting, Traffic, averaged, body_sends
+from .plan import SyncPlan, row_shard_numel, runs
+from .state import Round
 
 
 def qsr_traffic(config, setting: Setting) -> Traffic:
@@ -73,26 +73,21 @@ def qsr_traffic(config, setting: Setting) -> Traffic:
         sync = [x for b in body for x in b[0] + b[1]] + [x for f in frags for x in share(f)] + ended
     timeline: List[List[Send]] = [list(every_step) for _ in range(s.steps)]
     sync_steps: List[int] = []
-    in_flight: Dict[int, int] = {}
-    h, since = None, 0
+    rnd = Round()
     for t in range(s.steps):
-        if t == 0 and plan.outer_step and not s.same_start:  # the anchor: the group's mean, fragment by fragment
-            # (ranks that start equal keep their own; an engine's shard is compared with its counterparts)
+        if rnd.anchor_due(plan.outer_step) and not s.same_start:  # the anchor: the group's mean, fragment by
+            # fragment (ranks that start equal keep their own; an engine's shard is compared with its counterparts)
             timeline[t] += [Send("allreduce", 4 * f, "anchor", scope) for f in frags] + share(part)
-        if h is None:
-            h = qsr_period(t, s.lr(t), c)
-        since += 1
-        for event in step_events(t + 1, since, h, in_flight, c):
+        if rnd.period is None:
+            rnd.begin(t, s.lr(t), c)
+        for event in rnd.advance(t + 1, c, plan.streaming):
             if event.kind == "send":  # an overlapped sync runs behind the steps until it lands
                 timeline[t] += [dataclasses.replace(x, behind=event.at - (t + 1)) for x in sent[event.fragment]]
-                in_flight[event.fragment] = event.at
             elif event.kind == "land":
                 timeline[t] += landed[event.fragment]
-                in_flight.pop(event.fragment)
             elif event.kind == "end":
                 timeline[t] += ended
                 sync_steps.append(t + 1)
-                h, since = None, 0
     size_of = {"world": s.world, "group": len(mine), "across": len(plan.groups)}
     kept = lambda calls: tuple(x for x in calls if size_of[x.scope] > 1)  # noqa: E731  (groups of one: no call)
     return Traffic([kept(calls) for calls in timeline], kept(every_step), kept(sync), sync_steps, group=len(mine))

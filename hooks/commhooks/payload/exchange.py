@@ -1,72 +1,49 @@
 """How a compressed mean travels: one allgather, or a two-step exchange whose bytes do not grow with the world.
 
-A sum of packed integer codes would overflow, so a compressed payload (any
-codec but fp32, see :mod:`.payload`) is averaged by the ranks themselves.
-Two ways to do that, the ``payload_exchange`` key:
+A sum of packed integer codes would overflow, so a compressed payload (any codec but fp32, see :mod:`.payload`) is
+averaged by the ranks themselves. Two ways to do that, the ``payload_exchange`` key:
 
-* ``allgather``: every rank receives every other rank's whole payload ``P``
-  and decodes them all: ``(s - 1) P`` bytes in and ``s`` decodes of the whole
-  tensor per rank for ``s`` ranks.  One round trip.
-* ``two_step`` (a reduce-scatter, then an allgather, of compressed pieces: the
-  shape of DeepSpeed's 1-bit Adam ``compressed_allreduce`` and of MuLoCo's
-  and SparseLoCo's sharded exchanges): the tensor is cut into ``s`` pieces;
-  an **all-to-all** hands rank ``i`` the encoded piece ``i`` of every rank
-  (with every rank's step proof), rank ``i`` decodes them, averages them in
-  fp32 in rank order, encodes the mean again and an **allgather** of those
-  encoded means gives every rank the whole mean.  Per rank: ``2 (s - 1) / s P``
-  bytes in (at most ``2 P`` whatever the world), two decodes of the whole.
-  Every rank decodes the same bytes, so every rank gets the identical mean.
+* ``allgather``: every rank receives every other rank's whole payload ``P`` and decodes them all: ``(s - 1) P``
+  bytes in and ``s`` decodes of the whole tensor per rank for ``s`` ranks.  One round trip.
+* ``two_step`` (a reduce-scatter, then an allgather, of compressed pieces: the shape of DeepSpeed's 1-bit Adam
+  ``compressed_allreduce`` and of MuLoCo's and SparseLoCo's sharded exchanges): the tensor is cut into ``s``
+  pieces; an **all-to-all** hands rank ``i`` the encoded piece ``i`` of every rank (with every rank's step proof),
+  rank ``i`` decodes them, averages them in fp32 in rank order, encodes the mean again and an **allgather** of
+  those encoded means gives every rank the whole mean.  Per rank: ``2 (s - 1) / s P`` bytes in (at most ``2 P``
+  whatever the world), two decodes of the whole. Every rank decodes the same bytes, so every rank gets the
+  identical mean.
 
-Which to pick (``auto``, the default): ``two_step`` from
-:data:`TWO_STEP_FROM` ranks in the averaging group, where it receives a third
-fewer bytes (``4/3 P`` against ``2 P``) and from 4 ranks half or less;
-``allgather`` below (at 2 ranks both receive ``P``, and ``two_step`` would
-add a round trip and a second rounding).
+Which to pick (``auto``, the default; :func:`~.codec.resolve`): ``two_step`` from :data:`~.codec.TWO_STEP_FROM`
+ranks in the averaging group, where it receives a third fewer bytes (``4/3 P`` against ``2 P``) and from 4 ranks
+half or less; ``allgather`` below (at 2 ranks both receive ``P``, and ``two_step`` would add a round trip and a
+second rounding).
 
-The second rounding: the mean is encoded twice, once by each sender (its
-error is the sender's error feedback, :mod:`.sync`) and once by the piece's
-owner.  With ``error_feedback`` the owner keeps what its encoding of the mean
-lost and adds it to its piece of the next sync's mean (DeepSpeed's "server
-error" in 1-bit Adam); the residual is saved with the outer state, so a
-resume is exact.  Without it the second rounding's error is not carried.
+The second rounding: the mean is encoded twice, once by each sender (its error is the sender's error feedback) and
+once by the piece's owner.  With ``error_feedback`` the owner keeps what its encoding of the mean lost and adds it
+to its piece of the next sync's mean (DeepSpeed's "server error" in 1-bit Adam); the residual is saved with the
+outer state, so a resume is exact.  Without it the second rounding's error is not carried.
 
-Pieces are ``c`` elements, ``ceil(n / s)`` rounded up to whole scale blocks
-(``payload_block``) or top-k chunks (``topk_chunk``), the last ones padded
-with zeros: a piece's encoding then matches the allgather's block for block
-(nearest rounding: the same codes).  For a small tensor in a large world the
-padding can cost more than it saves; the planner and ``commhooks plan
---config`` show both exchanges' bytes.
+Pieces are ``c`` elements, ``ceil(n / s)`` rounded up to whole scale blocks (``payload_block``) or top-k chunks
+(``topk_chunk``), the last ones padded with zeros: a piece's encoding then matches the allgather's block for block
+(nearest rounding: the same codes).  For a small tensor in a large world the padding can cost more than it saves;
+the planner and ``commhooks plan --config`` show both exchanges' bytes.
 
-When it runs: the all-to-all starts when the sync is sent (and travels while
-training goes on, with ``overlap_steps``); decoding, the owner's encoding and
-the allgather run when the sync lands.
+When it runs: the all-to-all starts when the sync is sent (and travels while training goes on, with
+``overlap_steps``); decoding, the owner's encoding and the allgather run when the sync lands.
 
-The meter counts what this rank hands to each collective: the all-to-all's
-whole input (``s`` pieces with a proof each, its own included) and the
-allgather's one encoded mean.
+The meter counts what this rank hands to each collective: the all-to-all's whole input (``s`` pieces with a proof
+each, its own included) and the allgather's one encoded mean.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
 from ..comm import Comm, Work
-
-EXCHANGES = ("auto", "allgather", "two_step")
-TWO_STEP_FROM = 3  # ``auto``: the two-step exchange from this many ranks in the averaging group
-
-
-def resolve(exchange: str, size: int) -> str:
-    """``allgather`` or ``two_step``: ``exchange`` with ``auto`` decided by the averaging group's ``size``."""
-    if exchange not in EXCHANGES:
-        raise ValueError(f"payload_exchange must be one of {EXCHANGES}, got {exchange!r}")
-    if exchange == "auto":
-        return "two_step" if size >= TWO_STEP_FROM else "allgather"
-    return exchange
 
 
 def piece_numel(codec, numel: int, size: int) -> int:
@@ -82,19 +59,6 @@ class OwnerFeedback:
     value: Optional[torch.Tensor] = None
 
 
-def sum_in_rank_order(chunks, codec, numel: int, proof: torch.Tensor, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's step proof and decoded payload summed in fp32, in rank order, so every rank summing the same
-    ``chunks`` (one per rank, in group-rank order: the proof's float32 bytes, then ``codec``'s bytes of ``numel``
-    elements) gets bitwise the same ``(total, proofs)``.  The allgather's mean and each owner's piece here."""
-    head = 4 * proof.numel()
-    total = torch.zeros(numel, dtype=torch.float32, device=device)
-    proofs = torch.zeros_like(proof, dtype=torch.float32)
-    for chunk in chunks:
-        proofs += chunk[:head].clone().view(torch.float32).to(proofs.device)
-        total += codec.decode(chunk[head:].clone(), numel)
-    return total, proofs
-
-
 def _seed(seed: Optional[int], salt: int, i: int) -> Optional[int]:
     """A distinct stochastic-rounding seed for encoding ``i`` of kind ``salt``, derived from ``seed`` (a function of
     the rank and the step, so a resume draws the same)."""
@@ -102,7 +66,8 @@ def _seed(seed: Optional[int], salt: int, i: int) -> Optional[int]:
 
 
 class TwoStep:
-    """The two-step exchange of one codec over a group of ``size`` ranks (see the module docstring)."""
+    """The two-step exchange of one codec (a :class:`~.codec.Codec`: ``encode``, ``decode``, ``nbytes``,
+    ``sum_in_rank_order``) over a group of ``size`` ranks (see the module docstring)."""
 
     def __init__(self, codec, size: int):
         self.codec, self.size = codec, size
@@ -150,7 +115,7 @@ class TwoStep:
         owner = group.ranks.index(comm.rank) if group is not None else comm.rank
 
         def land():
-            piece, proofs = sum_in_rank_order(first.wait(), self.codec, c, proof, device)
+            piece, proofs = self.codec.sum_in_rank_order(first.wait(), c, proof, device)
             piece /= size
             if feedback is not None and feedback.value is not None:
                 piece += feedback.value.to(device)

@@ -1,64 +1,51 @@
 """Compressed sync payloads: a pseudo-gradient in fp32, bf16, int8, int4, int2 or top-k, with the step proof, in one
 collective.
 
-DiLoCo-style syncs send the *pseudo-gradient* (weights at the last sync minus
-local weights), which tolerates low precision far better than the weights
-themselves: it is small, centred on zero, and averaged over ranks.
-INTELLECT-1 sends it in int8 (400x less than DDP); Streaming DiLoCo in 4 bits;
-MuLoCo reports 2 bits with error feedback; SparseLoCo top-k at 1-3 % density.
+DiLoCo-style syncs send the *pseudo-gradient* (weights at the last sync minus local weights), which tolerates low
+precision far better than the weights themselves: it is small, centred on zero, and averaged over ranks. INTELLECT-1
+sends it in int8 (400x less than DDP); Streaming DiLoCo in 4 bits; MuLoCo reports 2 bits with error feedback;
+SparseLoCo top-k at 1-3 % density.
 
 Codecs (``payload`` key; a :class:`Codec` carries the settings):
 
 * ``fp32``: 4 bytes per element, summed by an allreduce (exact mean).
-* ``bf16``: 2 bytes per element; relative error per element at most 2^-8
-  (bf16 keeps 8 significant bits; round to nearest loses at most half a unit
-  of the last one).
-* ``int8`` / ``int4`` / ``int2``: ``b`` bits per element, packed (8 / 2 / 4
-  elements per byte), plus one fp32 scale per block of ``payload_block``
-  elements: codes in ``[-q, q]`` with ``q = 2^(b-1) - 1`` (127, 7, 1: int2 is
-  ternary, -1 / 0 / +1), ``scale = absmax / q``.  Round to nearest: error per
-  element at most ``scale / 2 = absmax / (2q)`` (/254, /14, /2).  Stochastic
-  rounding (``payload_rounding``): unbiased, error below one ``scale``; its
-  random numbers come from a generator seeded by the rank and the step, so a
-  resumed run draws the same ones.  Smaller blocks follow outliers more closely
-  at 4 bytes per block.
-* ``topk``: per chunk of ``topk_chunk`` consecutive elements, the
-  ``ceil(topk_density * chunk)`` of largest magnitude, as 2-byte indices in
-  the chunk and their values (fp32, or a dense codec above with one scale per
-  chunk: ``topk_values``).  Chunking (as DeMo and SparseLoCo do) keeps one huge
-  tensor from taking every slot.  Everything else is dropped: use
-  ``error_feedback``, which carries it into the next sync.
+* ``bf16``: 2 bytes per element; relative error per element at most 2^-8 (bf16 keeps 8 significant bits; round to
+  nearest loses at most half a unit of the last one).
+* ``int8`` / ``int4`` / ``int2``: ``b`` bits per element, packed (8 / 2 / 4 elements per byte), plus one fp32
+  scale per block of ``payload_block`` elements: codes in ``[-q, q]`` with ``q = 2^(b-1) - 1`` (127, 7, 1: int2 is
+  ternary, -1 / 0 / +1), ``scale = absmax / q``.  Round to nearest: error per element at most ``scale / 2 = absmax
+  / (2q)`` (/254, /14, /2).  Stochastic rounding (``payload_rounding``): unbiased, error below one ``scale``; its
+  random numbers come from a generator seeded by the rank and the step, so a resumed run draws the same ones.
+  Smaller blocks follow outliers more closely at 4 bytes per block.
+* ``topk``: per chunk of ``topk_chunk`` consecutive elements, the ``ceil(topk_density * chunk)`` of largest
+  magnitude, as 2-byte indices in the chunk and their values (fp32, or a dense codec above with one scale per
+  chunk: ``topk_values``).  Chunking (as DeMo and SparseLoCo do) keeps one huge tensor from taking every slot.
+  Everything else is dropped: use ``error_feedback``, which carries it into the next sync.
 
-A sum of integer codes would overflow, and Horovod's allreduce refuses bf16 and
-8-bit tensors, so compressed payloads are averaged by the ranks themselves:
-by **allgather** of packed bytes (step proof, payload), every rank decoding
-the others' contributions and accumulating them in fp32, in rank order, so
-every rank gets the identical mean (each rank receives ``size - 1``
-payloads); or, from 3 ranks, by a **two-step exchange** whose bytes per rank
-stay under two payloads whatever the world (``payload_exchange``,
-:mod:`.exchange`).
+A sum of integer codes would overflow, and Horovod's allreduce refuses bf16 and 8-bit tensors, so compressed
+payloads are averaged by the ranks themselves: by **allgather** of packed bytes (step proof, payload), every rank
+decoding the others' contributions and accumulating them in fp32, in rank order, so every rank gets the identical
+mean (each rank receives ``size - 1`` payloads); or, from 3 ranks, by a **two-step exchange** whose bytes per rank
+stay under two payloads whatever the world (``payload_exchange``, :mod:`.exchange`).
 
-Error feedback (``error_feedback``): what the codec lost this sync is added
-to the next sync's pseudo-gradient, so rounding errors do not accumulate
-into drift (tested: the residual is carried exactly).
+Error feedback (``error_feedback``): what the codec lost this sync is added to the next sync's pseudo-gradient, so
+rounding errors do not accumulate into drift (tested: the residual is carried exactly).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from pydantic import Field
-from typing_extensions import Annotated, Literal
-
 from ..comm import Comm, Work
-from ..settings import HookConfig
-from .exchange import OwnerFeedback, TwoStep, resolve, sum_in_rank_order
+from .exchange import OwnerFeedback, TwoStep
 
 CODECS = ("fp32", "bf16", "int8", "int4", "int2", "topk")
+EXCHANGES = ("auto", "allgather", "two_step")
+TWO_STEP_FROM = 3  # ``auto``: the two-step exchange from this many ranks in the averaging group
 DENSE_BITS = {"int8": 8, "int4": 4, "int2": 2}
 ROUNDINGS = ("nearest", "stochastic")
 TOPK_VALUES = ("fp32", "bf16", "int8", "int4", "int2")
@@ -126,6 +113,19 @@ class Codec:
         if self.name in DENSE_BITS:
             return _decode_dense(data, DENSE_BITS[self.name], numel, self.block)
         return self._decode_topk(data, numel)
+
+    def sum_in_rank_order(self, chunks, numel: int, proof: torch.Tensor, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's step proof and decoded payload summed in fp32, in rank order, so every rank summing the
+        same ``chunks`` (one per rank, in group-rank order: the proof's float32 bytes, then this codec's
+        bytes of ``numel`` elements) gets bitwise the same ``(total, proofs)``.  The allgather's mean and
+        each owner's piece of the two-step exchange."""
+        head = 4 * proof.numel()
+        total = torch.zeros(numel, dtype=torch.float32, device=device)
+        proofs = torch.zeros_like(proof, dtype=torch.float32)
+        for chunk in chunks:
+            proofs += chunk[:head].clone().view(torch.float32).to(proofs.device)
+            total += self.decode(chunk[head:].clone(), numel)
+        return total, proofs
 
     def _encode_topk(self, x: torch.Tensor, seed: Optional[int]) -> torch.Tensor:
         rows = _rows(x, self.chunk)
@@ -233,7 +233,7 @@ def start_mean(comm: Comm, x: torch.Tensor, codec, block: int, proof: torch.Tens
     syncs, holding ``proof`` then ``x`` already (``x`` a view of it), reduced in place; without it the
     collective works on its own copy, and ``x`` may change after the call.
     """
-    codec = Codec.of(codec, block)
+    codec = codec if isinstance(codec, Codec) else Codec.of(codec, block)
     size = comm.size if group is None else group.size
     if codec.name == "fp32":
         both = packed if packed is not None else torch.cat([proof.to(x.device), x])
@@ -248,40 +248,91 @@ def start_mean(comm: Comm, x: torch.Tensor, codec, block: int, proof: torch.Tens
     numel, device = x.numel(), x.device
 
     def decode_all(chunks):  # a mean over the members that answered (len(chunks): size, unless one was lost)
-        total, proofs = sum_in_rank_order(chunks, codec, numel, proof, device)
+        total, proofs = codec.sum_in_rank_order(chunks, numel, proof, device)
         return total / len(chunks), proofs / len(chunks)
 
     return work.then(decode_all)
 
 
-class PayloadFields(HookConfig):
-    """The keys of a compressed sync, declared once for every algorithm that sends one (a config base class)."""
+def resolve(exchange: str, size: int) -> str:
+    """``allgather`` or ``two_step``: ``exchange`` with ``auto`` decided by the averaging group's ``size``."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"payload_exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if exchange == "auto":
+        return "two_step" if size >= TWO_STEP_FROM else "allgather"
+    return exchange
 
-    payload: Literal["fp32", "bf16", "int8", "int4", "int2", "topk"] = Field("fp32", description=(
-        "how the sync sends the pseudo-gradient: fp32 (exact), bf16 (2 bytes/element), int8 / int4 / int2 (8, 4, 2 "
-        "bits per element, packed, + one fp32 scale per payload_block elements; int2 is ternary), topk (the "
-        "largest topk_density of each topk_chunk, as 2-byte indices + values); anything but fp32 is averaged by "
-        "the ranks themselves (payload_exchange)"))
-    payload_block: Annotated[int, Field(ge=8, description=(
-        "int8/int4/int2: elements per scale (error per element <= absmax of its block / (2q), q = 127, 7, 1)"))] = 256
-    payload_rounding: Literal["nearest", "stochastic"] = Field("nearest", description=(
-        "int8/int4/int2 (and topk's values): round to nearest, or stochastically (unbiased; its random numbers "
-        "seeded by the rank and the step, so a resume draws the same)"))
-    topk_density: Annotated[float, Field(gt=0.0, le=1.0, description=(
-        "topk: the share of each chunk sent (SparseLoCo: 0.01-0.03); pair it with error_feedback"))] = 0.01
-    topk_chunk: Annotated[int, Field(ge=16, le=65536, description=(
-        "topk: elements per chunk, each chunk sending its own largest (indices are 2 bytes)"))] = 4096
-    topk_values: Literal["fp32", "bf16", "int8", "int4", "int2"] = Field("fp32", description=(
-        "topk: how the chosen values travel (int codecs: one scale per chunk)"))
 
-    payload_exchange: Literal["auto", "allgather", "two_step"] = Field("auto", description=(
-        "how a compressed payload is averaged: allgather (each rank receives every rank's payload: (s-1) x payload "
-        "bytes for s ranks), two_step (an all-to-all of pieces, each rank averaging one, then an allgather of the "
-        "re-encoded means: under 2 x payload whatever the world, a second rounding, carried by error_feedback), "
-        "auto (two_step from 3 ranks in the averaging group)"))
+# ------------------------------------------------------------ the change since a start, averaged compressed
 
-    @property
-    def codec(self) -> "Codec":
-        """The payload's :class:`Codec`."""
-        return Codec(self.payload, self.payload_block, self.payload_rounding, self.topk_density, self.topk_chunk,
-                     self.topk_values, self.payload_exchange)
+
+def reused(buffers: Dict[str, torch.Tensor], name: str, numel: int, device) -> torch.Tensor:
+    """A flat fp32 buffer kept across syncs in ``buffers`` (made again only if the size or the device changed)."""
+    buf = buffers.get(name)
+    if buf is None or buf.numel() != numel or buf.device != device:
+        buf = buffers[name] = torch.empty(numel, dtype=torch.float32, device=device)
+    return buf
+
+
+def flat_into(buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` copied one after the other into the flat ``buf``; returns ``buf``."""
+    offset = 0
+    for t in tensors:
+        buf[offset: offset + t.numel()].copy_(t.detach().reshape(-1))
+        offset += t.numel()
+    return buf
+
+
+def write_flat(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """The flat ``flat`` written back into ``tensors`` (cast to each one's dtype)."""
+    offset = 0
+    for t in tensors:
+        t.data.copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def start_change_mean(comm: Comm, tensors: Sequence[torch.Tensor], anchor: torch.Tensor, codec, proof: torch.Tensor,
+                      buffers: Dict[str, torch.Tensor], group=None, tag: str = "sync", seed: Optional[int] = None,
+                      error_feedback: bool = False, residual: Optional[torch.Tensor] = None,
+                      feedback: Optional[OwnerFeedback] = None, sent_from: Optional[torch.Tensor] = None,
+                      residual_decay: float = 1.0) -> Tuple[Work, Optional[torch.Tensor]]:
+    """Start averaging ``anchor - tensors`` (the change since ``anchor``, plus ``residual_decay`` times the last
+    ``residual``) through ``codec``, the step proof riding along; returns the :class:`Work` (``wait()``: ``(mean
+    change, mean proof)``) and, with ``error_feedback``, what the codec lost of it (None for fp32).
+    ``sent_from``: a buffer that keeps the weights sent from; ``buffers``: the caller's reused send buffers;
+    ``feedback``: the two-step exchange's owner residual."""
+    n, p, device = sum(map(torch.numel, tensors)), proof.numel(), tensors[0].device
+    packed = None
+    if codec.name == "fp32":  # the allreduce's buffer: the proof, then the change
+        packed = reused(buffers, "send", p + n, device)
+        packed[:p].copy_(proof)
+        delta = packed[p:]
+    else:
+        delta = reused(buffers, "delta", n, device)
+    if sent_from is not None:
+        torch.sub(anchor, flat_into(sent_from, tensors), out=delta)
+    else:  # the weights straight into the send buffer, then anchor - weights in place
+        torch.sub(anchor, flat_into(delta, tensors), out=delta)
+    if residual is not None:
+        delta.add_(residual, alpha=residual_decay)  # (alpha 1: exactly delta += residual)
+    sent, lost = None, None
+    if codec.name != "fp32":
+        way = codec.exchange_for(comm.size if group is None else group.size) or codec  # two-step: piece by piece
+        sent = way.encode(delta, seed)
+        if error_feedback:
+            reuse = residual is not None and residual.numel() == n and residual.device == device
+            lost = torch.sub(delta, way.decode(sent, n),
+                             out=residual if reuse else torch.empty(n, dtype=torch.float32, device=device))
+    return start_mean(comm, delta, codec, codec.block, proof, group=group, tag=tag, sent=sent, packed=packed,
+                      seed=seed, feedback=feedback), lost
+
+
+def compressed_mean(comm: Comm, tensors: Sequence[torch.Tensor], start: torch.Tensor, codec, proof: torch.Tensor,
+                    buffers: Dict[str, torch.Tensor], tag: str = "sync", seed: Optional[int] = None) -> torch.Tensor:
+    """``tensors`` become the world mean, as ``start`` (flat fp32, changed in place) minus the mean of the ranks'
+    changes since ``start`` sent through ``codec`` (AB's compressed sync); returns the ranks' mean proof."""
+    work, _ = start_change_mean(comm, tensors, start, codec, proof, buffers, tag=tag, seed=seed)
+    mean, proofs = work.wait()
+    start -= mean.to(start.device)
+    write_flat(tensors, start)
+    return proofs
