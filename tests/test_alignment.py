@@ -483,3 +483,19 @@ def test_a_plain_checkpoint_loaded_into_an_outer_step_run_names_the_file_and_the
     for rank, said in enumerate(run_ranks(_plain_into_outer, 2, ckdir=str(tmp_path))):
         assert said is not None and f"step-00000002/rank{rank}.pt" in said, said
         assert "holds no outer-step state" in said and "resume with the config it was saved with" in said, said
+
+
+def test_the_step_proof_is_float32_whatever_the_default_dtype():
+    """The proof rides in a float32 call and is read back as float32 bytes (the allgather's packed payload): it must
+    not follow ``torch.set_default_dtype(torch.float64)``."""
+    from commhooks.algorithms.contract.steps import STEP_PROOF_BYTES, NonfiniteGuard, step_proof
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for scale in (None, 2.0 ** 16, torch.tensor(1024.0)):
+            proof = step_proof(7, scale)
+            assert proof.dtype == torch.float32 and 4 * proof.numel() == STEP_PROOF_BYTES, (scale, proof.dtype)
+        assert NonfiniteGuard(["w"]).indicator(torch.device("cpu")).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(old)

@@ -69,8 +69,41 @@ def _run(conf, steps, rank, use_with=False, two_optimizers=False, give_both=True
                          or "AB" in str(w.message)]}
 
 
+def _resumed_never_stepped(conf, rank):
+    """A state loaded from an open round (between syncs) and dropped before a step of its own: nothing to warn
+    about in this process (its run went on elsewhere); the same state that steps once more does warn."""
+    net = DDP(Body(), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = commhooks.ddp.register(net, opt, conf)
+        for step in range(6):  # 6 of a period of 4: an open round
+            ids, y = _tokens(step, rank)
+            opt.zero_grad()
+            F.cross_entropy(net(ids), y).backward()
+            opt.step()
+        saved = state.state_dict()
+        state.end_check.detach()  # (this first run's own check is not what the test asks about)
+        for name, steps in (("loaded", 0), ("loaded-then-stepped", 1)):
+            net2 = DDP(Body(), forward_sync_buffers=False)
+            opt2 = torch.optim.SGD(net2.parameters(), lr=0.1)
+            resumed = commhooks.ddp.register(net2, opt2, conf)
+            resumed.load_state_dict(saved)
+            for step in range(steps):
+                ids, y = _tokens(10 + step, rank)
+                opt2.zero_grad()
+                F.cross_entropy(net2(ids), y).backward()
+                opt2.step()
+            before = len(caught)
+            resumed.end_check()
+            out[name] = [str(w.message) for w in caught[before:] if "between two syncs" in str(w.message)]
+    return out
+
+
 def _scenarios(rank, world):
     return {
+        "qsr-resumed": _resumed_never_stepped(QSR, rank),
         "ab-fixed-total": _run({**AB, "total_steps": 11}, 11, rank),  # 11 is no multiple of 4
         "qsr-constant-total": _run({**QSR, "total_steps": 10}, 10, rank),
         "ab-with": _run(AB, 11, rank, use_with=True),
@@ -94,6 +127,8 @@ def test_runs_end_synced_or_say_why_not():
             assert len(found) == 1 and "`with state:`" in found[0] and "state.finish()" in found[0], r[name]
             assert "the run ended at step" in found[0], found
     assert r0["ab-fixed-total"]["syncs"] == 3  # at 4, 8 and the run's end, 11
+    for r in (r0, r1):  # a state resumed and dropped before it stepped says nothing; one that stepped does
+        assert r["qsr-resumed"]["loaded"] == [] and len(r["qsr-resumed"]["loaded-then-stepped"]) == 1, r["qsr-resumed"]
     for r in (r0, r1):  # the embedding stepped by an optimizer the state was not given: named on every rank
         found = [w for w in r["two-optimizers-one-given"]["warnings"] if "in none of the optimizers given" in w]
         assert len(found) == 1 and "emb.weight" in found[0] and "pass every optimizer" in found[0], found

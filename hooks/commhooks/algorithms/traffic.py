@@ -161,7 +161,7 @@ def body_sends(codec, numel: int, proof_bytes: int, tag: str, scope: str, size: 
     """A sync payload of ``numel`` elements in ``codec`` (:class:`~commhooks.payload.Codec`) with the
     step proof, averaged over ``size`` ranks: ``(the calls when it is sent, the calls when it lands)``.  fp32:
     one allreduce; otherwise one allgather of the packed bytes, or the two-step exchange
-    (:mod:`~commhooks.algorithms.exchange`): an all-to-all of the pieces when sent, an allgather of the owners'
+    (:mod:`~commhooks.payload.exchange`): an all-to-all of the pieces when sent, an allgather of the owners'
     encoded means when it lands."""
     if codec.name == "fp32":
         return [Send("allreduce", proof_bytes + 4 * numel, tag, scope)], []

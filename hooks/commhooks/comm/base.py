@@ -264,13 +264,12 @@ class Call:
         def wait() -> List[torch.Tensor]:
             try:
                 out = started()  # an allgather: as many pieces as members answered (a live quorum may shrink)
+                out = list(out.chunk(out.numel() // numel if self.kind == "allgather" and numel else self.group.size))
+                for i in range(len(out) if shape is not None else 0):
+                    out[i] = out[i].view(shape)
+                return out
             except Exception as exc:
                 raise self.failed(exc) from exc
-            split = out.chunk(out.numel() // numel if self.kind == "allgather" and numel else self.group.size)
-            out = list(split)
-            for i in range(len(out) if shape is not None else 0):
-                out[i] = out[i].view(shape)
-            return out
 
         return Work(wait)
 

@@ -7,8 +7,8 @@ therefore routed (:func:`route_checkpoints`, done by :func:`~commhooks.deepspeed
 group writes where DeepSpeed would (``path/<tag>/...``, where tools look for it), the others in
 ``path/replica<g>``, and each rank adds its hook state (``comm_hook_rank<r>.pt``).  Both stay collective: a
 rank that refuses (a NaN) or finds nothing refuses on every rank, before any write or after the load.  DeepSpeed
-commits its own files (its ``latest``); the hook files are written durably (:func:`commhooks.commit.atomic_save`)
-and the ranks agree on the load as every commhooks checkpoint does (:class:`commhooks.commit.CommitGroup`).
+commits its own files (its ``latest``); the hook files are written durably (:func:`commhooks.commit.atomic_save`,
+the same file a ``torch.save`` writes); the load's agreement is one two-element sum over the world.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..commit import CheckpointError, CommitGroup, atomic_save
+from ..commit import CheckpointError, atomic_save
 
 
 def _replica_dir(engine, path) -> str:
@@ -78,14 +78,14 @@ def _load(engine, original, load_dir, tag=None, **kwargs):
 
     where = _replica_dir(engine, load_dir)
     path, client_state = original(where, tag=tag, **kwargs)
-    # the world's default group on the model's device (NCCL: the GPU), as DeepSpeed's own collectives: which ranks
-    # found nothing; all or none, or an error everywhere
-    found_nothing = CommitGroup(None, engine.module).ranks_where(path is None)
-    if found_nothing and len(found_nothing) < dist.get_world_size():
+    device = next(engine.module.parameters()).device  # the process group's device (NCCL: the GPU)
+    loaded = torch.tensor([0.0 if path is None else 1.0, 1.0 if path is None else 0.0], device=device)
+    dist.all_reduce(loaded)  # how many ranks loaded, how many found nothing: all or none, or an error everywhere
+    if loaded[0] and loaded[1]:
         raise CheckpointError(
-            f"{len(found_nothing)} rank(s) found no checkpoint under {load_dir} (this rank looked in {where}, tag "
-            f"{tag!r}) while {dist.get_world_size() - len(found_nothing)} loaded one: every replica group needs its "
-            "own folder, as commhooks.deepspeed.save_checkpoint writes them")
+            f"{int(loaded[1])} rank(s) found no checkpoint under {load_dir} (this rank looked in {where}, tag "
+            f"{tag!r}) while {int(loaded[0])} loaded one: every replica group needs its own folder, as "
+            "commhooks.deepspeed.save_checkpoint writes them")
     state = getattr(engine, "comm_hook_state", None)
     if state is not None and path is not None:
         hook_file = os.path.join(os.path.dirname(path) if os.path.isfile(path) else path,

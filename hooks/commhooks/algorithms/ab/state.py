@@ -139,7 +139,8 @@ class ABState(ABKept, AlgorithmState):
     def after_step(self) -> None:
         """Run the transitions due before the next step."""
         self._advance()
-        self.note_the_end()  # a full-rank step leaves the ranks agreeing (in_sync_at)
+        if self.phase != AB:  # warm-up and full-rank steps average every gradient: the ranks agree after each
+            self.sync_context.in_sync = self.step
 
     def _advance(self) -> None:
         for event in self.clock.advance(self.step, self.config):
@@ -229,10 +230,6 @@ class ABState(ABKept, AlgorithmState):
     def parameters_added(self, new) -> None:
         """Parameters that became trainable or joined an optimizer: synced from now on, kept dense."""
         self._param.update(dict(new))
-
-    def in_sync_at(self) -> Optional[int]:
-        """Warm-up and full-rank steps average every gradient over the world: the ranks agree after each."""
-        return self.step if self.phase != AB and self.step else super().in_sync_at()
 
     def final_sync(self) -> None:
         """The run's end: sync an open AB phase, which then ends as at a scheduled sync."""

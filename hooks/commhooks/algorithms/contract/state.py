@@ -2,39 +2,26 @@
 
 An algorithm is a *state object* (a subclass of :class:`AlgorithmState`, overriding the hooks of
 :class:`AlgorithmHooks`) plus a config class (a subclass of :class:`~commhooks.settings.HookConfig`), registered
-once with :func:`commhooks.register_algorithm`.  The base owns everything algorithms share, so a subclass holds only
-its algorithm: the config (an object, a dict, a JSON path or keyword arguments); the :class:`~commhooks.comm.Comm`
+once with :func:`commhooks.register_algorithm`.  The base owns what algorithms share, so a subclass holds only its
+algorithm: the config (an object, a dict, a JSON path or keyword arguments); the :class:`~commhooks.comm.Comm`
 (default: ``torch.distributed`` over ``process_group``) and its byte meter; the start-up handshake (config, world
 size, parameter names and shapes, version and :meth:`~AlgorithmHooks.describe` agree on every rank, or every rank
-raises the same ConfigError before training); an equal start (after :meth:`~AlgorithmHooks.start` every rank holds
-rank 0's weights, :func:`~.parameters.start_equal`; then :meth:`~AlgorithmHooks.begin`); the step counters, the
-post-sync check (``check_every``); a run that ends synced and torch's Joinable protocol; ``report()``, ``memory()``,
-the ``log_every`` line; ``state_dict``.  Two collaborators do the rest: ``state.parameter_set``
-(:class:`~.parameters.ParameterSet`: the tensors covered, parameters that join later, strays) and
-``state.alignment`` (:class:`~.step_alignment.StepAlignment`: the optimizer step hooks, GradScaler, the NaN/Inf
-guard, step proofs, period agreement, Join shadowing, the end-of-run warning).
+raises the same ConfigError before training); an equal start (:func:`~.parameters.start_equal`, between
+:meth:`~AlgorithmHooks.start` and :meth:`~AlgorithmHooks.begin`); a run that ends synced; ``state_dict``.  Its
+collaborators: ``state.parameter_set`` (:class:`~.parameters.ParameterSet`, the tensors covered),
+``state.alignment`` (:class:`~.steps.StepAlignment`, the optimizer step hooks) and ``state.sync_context``
+(:class:`~.steps.SyncContext`, the counters and what else a sync needs: the algorithm hands it to its sync code).
 
 The interface the engines drive (an adapter calls only these, and chooses what to call from what the state
-*declares*, never from its name):
-
-``begin_step()`` / ``end_step()``
-    Called by the optimizer step pre-hook (the gradients final: reduced, unscaled, clipped; the NaN guard
-    applied) and post-hook of every optimizer step; they call :meth:`~AlgorithmHooks.before_step` and, the step
-    counted, :meth:`~AlgorithmHooks.after_step`, where a local method decides to :meth:`~AlgorithmHooks.sync`.
-``reduce_bucket(grads, params, flat=None) -> Work``
-    Only if the class declares ``reduces_gradients``.  Engines that hand gradients over (DDP's bucket,
-    Horovod's per-parameter hooks, DeepSpeed at the accumulation boundary) call it once per bucket per step; it
-    starts :meth:`~AlgorithmHooks.reduce_gradients` in place.  A trainable parameter the engine never handed
-    over (a layer unfrozen after DDP built its buckets) is reduced by the state itself.  A state that does not
-    declare it gets no call, and its engine sends no gradient at all.
-``sync()``, ``finish()`` (``with state:``), ``join_hook()``
-    Average the model now (public, to force one); end the run synced; uneven inputs under torch's ``Join``.
-``state_dict()`` / ``load_state_dict()``, ``report()``
-    Everything needed to resume exactly, per rank; a plain dict of what the algorithm did.
-
-Engine facts reach the state as an :class:`~commhooks.facts.EngineFacts`: adapters pass them; for a state built by
-hand the base derives them with :func:`commhooks.facts.for_model`.  Algorithm code never reads an engine attribute
-or an environment variable itself.
+*declares*, never from its name): ``begin_step()`` / ``end_step()`` (the optimizer step hooks call them, or an
+engine that drives the steps: they run :meth:`~AlgorithmHooks.before_step` and, the step counted,
+:meth:`~AlgorithmHooks.after_step`, where a local method decides to sync); ``reduce_bucket(grads, params, flat)``,
+only if the class declares ``reduces_gradients`` (DDP's buckets, Horovod's per-parameter hooks, DeepSpeed at the
+accumulation boundary; a state that does not declare it gets no call, and its engine sends no gradient at all);
+``sync()``, ``finish()`` (``with state:``), ``join_hook()``; ``state_dict()`` / ``load_state_dict()``,
+``report()``.  Engine facts reach the state as an :class:`~commhooks.facts.EngineFacts` (adapters pass them; for a
+state built by hand, :func:`commhooks.facts.for_model`): algorithm code never reads an engine attribute or an
+environment variable itself.
 """
 
 from __future__ import annotations
@@ -55,6 +42,7 @@ from ...settings import HookConfig, to_dict
 from ..averaging import average_, float_buffers
 from .amp import AmpScaling
 from .checks import verify_same_everywhere
+from .deprecated import DeprecatedNames
 from .join import Joinable
 from .report import Reporting
 from .parameters import ParameterSet, optimizer_list, resolve_config, start_equal, tensors_to, unwrap_optimizer
@@ -155,7 +143,7 @@ class AlgorithmHooks:
         return scheduler
 
 
-class AlgorithmState(AlgorithmHooks, Joinable, Reporting):
+class AlgorithmState(AlgorithmHooks, Joinable, Reporting, DeprecatedNames):
     """Base class of every algorithm's state; the module docstring is the contract.
 
     ``optimizer``: the optimizer whose steps drive the schedule, or a list of them in the order the loop steps
@@ -346,12 +334,13 @@ class AlgorithmState(AlgorithmHooks, Joinable, Reporting):
             self.sync()
 
     def in_sync_at(self) -> Optional[int]:
-        """The optimizer step right after which every rank last held the same weights (``None``: not yet)."""
+        """The optimizer step right after which every rank last held the same weights (``None``: not yet): the
+        last complete sync, or a later step an algorithm says left them equal (``sync_context.in_sync``)."""
         return self.sync_context.in_sync
 
     def note_the_end(self) -> None:
         """Where the run stands, for the end-of-run warning (:func:`_warn_if_ended_apart`)."""
-        if self.sync_context.end is not None:
+        if self.sync_context.end is not None and self.sync_context.end.step:  # only a run that stepped here
             self.sync_context.end.step, self.sync_context.end.in_sync = self.step, self.in_sync_at()
 
     def use_scaler(self, scaler) -> None:
@@ -363,8 +352,9 @@ class AlgorithmState(AlgorithmHooks, Joinable, Reporting):
 
 
 class RunEnd:
-    """Where a run whose ranks differ between syncs stands: its last step, and the step after which the ranks last
-    held the same weights (kept up by the sync context), read by the end-of-run check once the state is gone."""
+    """Where a run whose ranks differ between syncs stands: its last step counted in this process (0: none, then
+    nothing to warn about, e.g. a state loaded and never stepped), and the step after which the ranks last held the
+    same weights; kept up after each step, read by the end-of-run check once the state is gone."""
 
     def __init__(self, name: str):
         self.name, self.step, self.in_sync = name, 0, None

@@ -49,15 +49,16 @@ def step_proof(step: int, scale=None, nonfinite: Optional[torch.Tensor] = None, 
     if isinstance(scale, torch.Tensor):
         log_scale = torch.round(torch.log2(scale.detach().reshape(1).to(device=device, dtype=torch.float32)))
     else:
-        log_scale = torch.full((1,), float(round(math.log2(scale))) if scale else 0.0, device=device)
-    flag = torch.zeros(1, device=device) if nonfinite is None else nonfinite.to(device).reshape(1)
+        log_scale = torch.tensor([float(round(math.log2(scale))) if scale else 0.0], dtype=torch.float32,
+                                 device=device)
+    flag = torch.zeros(1, dtype=torch.float32, device=device) if nonfinite is None else nonfinite.to(device).reshape(1)
     return torch.cat([counters, log_scale, log_scale * log_scale, flag])
 
 
 def check_step_proof(sums: Sequence[float], step: int, size: int, rank: int, what: str) -> None:
     """DivergenceError (on every rank alike) if the ranks' summed proofs ``sums`` show different steps."""
-    if size == 1 or (size * sums[3] == sums[0] ** 2 and size * sums[4] == sums[1] ** 2 and size * sums[5] == sums[2] ** 2):
-        return  # (the three limbs and their squares)
+    if size == 1 or all(size * sums[_LIMBS + i] == sums[i] ** 2 for i in range(_LIMBS)):  # (limbs, squares)
+        return
     total = sums[2 * _LIMBS]
     others = f"the other rank is at step {int(round(total - step))}" if size == 2 else \
         f"the {size} ranks' steps add up to {int(round(total))} (mean {total / size:.2f})"
@@ -99,7 +100,7 @@ class NonfiniteGuard:
         flags per parameter (on the device), or None without gradients."""
         positions, grads = [], []
         for i, g in named:
-            if g is not None and g.numel():
+            if g is not None:
                 positions.append(i)
                 grads.append(g)
         if not grads:
@@ -135,7 +136,7 @@ class NonfiniteGuard:
     def indicator(self, device) -> torch.Tensor:
         """1.0 if a bad gradient was seen since the record was cleared, else 0.0 (float32, on ``device``)."""
         if self.first is None:
-            return torch.zeros(1, device=device)
+            return torch.zeros(1, dtype=torch.float32, device=device)
         return (self.first >= 0).any().to(device=device, dtype=torch.float32).reshape(1)
 
     def seen(self) -> Optional[Tuple[int, List[str]]]:
@@ -222,8 +223,6 @@ class SyncContext:
         self.sync_steps.append(self.step)
         if complete:
             self.in_sync = self.step
-            if self.end is not None:
-                self.end.in_sync = self.step
         if self.check_every and self.syncs % self.check_every == 0:
             verify_identical(self.comm, self.identical_named(), f"after {self.name} sync {self.syncs} "
                              f"(step {self.step})", group=group)
@@ -323,8 +322,8 @@ class StepAlignment:
         ctx = self.ctx
         ctx.step += 1
         self.state.after_step()
-        if ctx.end is not None:
-            ctx.end.step = ctx.step
+        if ctx.end is not None:  # (the run's end record: where it stands after a step counted in this process)
+            ctx.end.step, ctx.end.in_sync = ctx.step, ctx.in_sync
         if self.log_every and ctx.step % self.log_every == 0 and ctx.comm.rank == 0:
             self.state.log()
 

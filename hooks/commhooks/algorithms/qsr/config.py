@@ -75,7 +75,7 @@ class QSRConfig(QuadraticRuleFields, PayloadFields):
 
     A sync can be a DiLoCo outer step on the pseudo-gradient (``outer_lr``, ``outer_momentum``) sent in fp32,
     bf16 or int8 (``payload``, with ``error_feedback``), overlapped with the next ``overlap_steps`` local steps
-    and staggered in ``fragments``; see :mod:`commhooks.algorithms.sync` and
+    and staggered in ``fragments``; see :mod:`commhooks.algorithms.qsr.sync` and
     :mod:`commhooks.payload`.  On MNIST-1D the combination QSR periods + outer lr 0.7 / Nesterov 0.9
     + int8 sends 1.3 % of DDP's bytes.
 

@@ -123,7 +123,7 @@ class QSRKept:
     """A mixin of :class:`~.state.QSRState`: its checkpoint (the open round, the outer state), memory, report."""
 
     def algorithm_state_dict(self) -> dict:
-        state = {"since_sync": self.round.since, "H": self.round.period, "complete_at": self.sync_context.in_sync,
+        state = {"since_sync": self.round.since, "H": self.round.period, "complete_at": self.complete_at,
                  "lr_sums": list(self.lr_sums)}
         outer = save(self.driver)
         return state if outer is None else {**state, "outer": outer}
@@ -133,8 +133,9 @@ class QSRKept:
         rnd = self.round  # the open round as saved, its syncs in flight as restored
         rnd.period, rnd.since = None if state["H"] is None else int(state["H"]), int(state["since_sync"])
         rnd.in_flight, rnd.anchored = dict(self.driver.in_flight), self.driver.anchored and self.plan.outer_step
-        # streamed rounds: the last complete sync (a plain one counts from the next sync, as before a resume)
-        self.sync_context.in_sync = state.get("complete_at") if self.plan.streaming else None
+        self.complete_at = state.get("complete_at")
+        if self.plan.streaming:  # streamed rounds agree only after a complete sync (a plain round after each)
+            self.sync_context.in_sync = self.complete_at
         if len(state.get("lr_sums", ())) == len(self.lr_sums):
             self.lr_sums = [float(v) for v in state["lr_sums"]]
 

@@ -220,6 +220,7 @@ class QSRState(QSRKept, AlgorithmState):
         # the replica group's gradient mean each step: groups of 2 or more, unless the engine averages inside them
         self.reduces_gradients = len(self.plan.members) > 1 and not engine.replica_data_parallel
         self.round, self.previous_lr, self.warned_rising = Round(), None, False
+        self.complete_at: Optional[int] = None  # the last step a sync left every rank with the same weights
         self.lr_sums = [0.0] * c.fragments  # the inner lr summed since each fragment last left (outer_normalize)
         check_layout(c, self.named_params, self.plan.hierarchical)
         ps, module = self.parameter_set, self.module
@@ -320,6 +321,7 @@ class QSRState(QSRKept, AlgorithmState):
             else:
                 self.driver.end()
                 self.sync_context.synced(self.shards, event.complete)
+                self.complete_at = self.sync_context.step if event.complete else self.complete_at
 
     def flush(self) -> None:
         """Land every sync still in flight now (a forced sync and the end of a Join do it first).  Each rank keeps
