@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional
+import math
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -164,3 +165,14 @@ class _StateEndsJoinFirst:
         self.state.join_ended_by_engine = True  # the state's own post-hook, next, has nothing left to do
         if self.state.in_sync_at() == self.state.step:  # the same on every rank: all broadcast, or none
             self.ddp_hook.post_hook(is_last_joiner)
+
+
+def row_shard_numel(shapes: Sequence[Sequence[int]], count: int, member: int) -> int:
+    """An engine fact the traffic declarations need (FSDP2's ``Shard(0)``): elements of the ``member``-th of ``count`` row shards of tensors of ``shapes``: each tensor's dim 0 cut as
+    ``torch.chunk`` cuts it (chunks of ``ceil(rows / count)``, the last ones shorter or empty), as FSDP2 shards."""
+    total = 0
+    for shape in shapes:
+        rows = shape[0] if shape else 1
+        chunk = math.ceil(rows / count)
+        total += max(0, min(chunk, rows - member * chunk)) * (math.prod(shape[1:]) if shape else 1)
+    return total

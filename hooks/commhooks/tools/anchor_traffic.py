@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import List, Tuple
 
-from ..algorithms.qsr.plan import row_shard_numel
+from ..facts import row_shard_numel
 from ..algorithms.traffic import Send, Setting, Traffic
 
 DENSE, COMPUTE_ONLY = "none", "compute-only"  # DDP's own allreduce; no communication at all

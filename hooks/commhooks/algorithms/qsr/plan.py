@@ -11,7 +11,6 @@ Python: no tensor is touched here.
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from typing import List, Optional, Sequence, Tuple
 
@@ -42,17 +41,6 @@ def split_fragments(sizes: Sequence[int], count: int) -> List[Run]:
         out.append(pieces)
         lo = hi
     return out
-
-
-def row_shard_numel(shapes: Sequence[Sequence[int]], count: int, member: int) -> int:
-    """Elements of the ``member``-th of ``count`` row shards of tensors of ``shapes``: each tensor's dim 0 cut as
-    ``torch.chunk`` cuts it (chunks of ``ceil(rows / count)``, the last ones shorter or empty), as FSDP2 shards."""
-    total = 0
-    for shape in shapes:
-        rows = shape[0] if shape else 1
-        chunk = math.ceil(rows / count)
-        total += max(0, min(chunk, rows - member * chunk)) * (math.prod(shape[1:]) if shape else 1)
-    return total
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,8 +29,9 @@ from __future__ import annotations
 import dataclasses
 from typing import List
 
+from ...facts import row_shard_numel
 from ..traffic import Send, Setting, Traffic, averaged, body_sends
-from .plan import SyncPlan, row_shard_numel, runs
+from .plan import SyncPlan, runs
 from .state import Round
 
 
