@@ -187,7 +187,7 @@ def test_gpu_rules_on_cpu_no_default_device_and_quiet_steps(capsys):
             assert syncs >= 2, (case, r["steps"])  # the case really synced (its host reads were counted)
             assert not r["quiet_reads"] or case == "qsr-gradscaler", (case, r["quiet_reads"])
             # the first step, once: an outer step's anchor asks whether the ranks start equal (one host read)
-            anchor_check = {k: v for k, v in r["first"].items() if "consistency.py" in k}
+            anchor_check = {k: v for k, v in r["first"].items() if "contract/checks.py" in k}
             assert sum(anchor_check.values()) == (1 if "outer" in case else 0), (case, r["first"])
             if case == "qsr-gradscaler":  # found_inf, as torch's own GradScaler.step reads it
                 assert all(n == 1 for n in r["quiet_reads"].values()) and all(

@@ -24,6 +24,7 @@ class Joinable:
                             lambda self, v: setattr(self.alignment, "join_config", v))
 
     def join_hook(self, **kwargs) -> "ShadowJoinHook":
+        """torch's Joinable protocol: ``with Join([ddp_model, state]):`` (ranks with fewer batches shadow)."""
         return ShadowJoinHook(self)
 
     def end_join(self) -> None:
