@@ -224,6 +224,7 @@ def test_transformers_trainer_with_deepspeed_bf16_zero2(tmp_path):
     first = torchrun("hf_trainer.py", tmp_path / "run", "--deepspeed", str(ds), "--bf16", "--save-steps", "6")
     straight = identical(first, 12)
     assert first[0]["warmup"] == 4 and first[0]["total"] == 12, first[0]  # the JSON's config, filled by the Trainer
+    assert first[0]["schedule"] == {"total_steps": 12, "warmup_steps": 4}, first[0]  # and report() says so
     assert first[0]["engine_bf16"] and first[0]["weight_dtype"] == "torch.bfloat16", first[0]
     checkpoint = tmp_path / "run" / "checkpoint-6"
     assert (checkpoint / "global_step6").is_dir() and (checkpoint / "replica1" / "global_step6").is_dir()

@@ -57,8 +57,8 @@ from typing import List, Optional, Tuple
 import torch
 
 from ._version import __version__
-from .commit import (MANIFEST, LATEST, CheckpointError, CommitGroup, complete_folders, just_synced,  # noqa: F401
-                     latest_checkpoint, read_manifest, step_folder)
+from .commit import (MANIFEST, LATEST, CheckpointError, CommitGroup, complete_folders, file_digest,  # noqa: F401
+                     just_synced, latest_checkpoint, read_manifest, step_folder)
 # (CheckpointError, latest_checkpoint, just_synced, MANIFEST: importable from here as before)
 
 
@@ -114,10 +114,14 @@ def checkpoint_contents(model, optimizer, state, scheduler, step: int, synced: b
 # ------------------------------------------------------------------ load
 
 
-def _read(path: Path) -> Tuple[Optional[dict], str]:
-    """(contents, "") or (None, why) for one rank file, loaded without running foreign code."""
+def _read(path: Path, digest: Optional[str] = None) -> Tuple[Optional[dict], str]:
+    """(contents, "") or (None, why) for one rank file, loaded without running foreign code; ``digest``: its SHA-256
+    as the manifest recorded it (checkpoints committed before 2026-12-06 have none)."""
     if not path.is_file():
         return None, f"{path} is missing"
+    if digest is not None and file_digest(path) != digest:
+        return None, (f"{path} does not match the SHA-256 its manifest recorded: it changed after it was written "
+                      "(bit rot, an interrupted copy)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True), ""
     except pickle.UnpicklingError as exc:
@@ -172,7 +176,8 @@ def load_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
         path, why = _file_for(folder, rank, world)
         ck = None
         if path is not None:
-            ck, why = _read(path)
+            digests = (read_manifest(folder) or {}).get("sha256")
+            ck, why = _read(path, digests[int(path.stem[4:])] if digests else None)
             if ck is not None and ck.get("step") != (read_manifest(folder) or {}).get("step", ck.get("step")):
                 ck, why = None, f"{path} holds step {ck.get('step')}, not the folder's"
         bad = group.ranks_where(ck is None)
@@ -189,7 +194,7 @@ def load_checkpoint(directory, model, optimizer, state=None, scheduler=None, ste
             reason = why
         else:
             files = ", ".join(str(_file_for(folder, r, world)[0]) for r in bad)
-            reason = f"missing or unreadable on rank(s) {bad}: {files}" + (f" [this rank: {why}]" if ck is None else "")
+            reason = f"missing, unreadable or changed on rank(s) {bad}: {files}" + (f" [this rank: {why}]" if ck is None else "")
         skipped.append(f"{folder.name} ({reason})")
         if step is not None or path is None:
             raise CheckpointError(f"cannot resume from {folder}: {reason}")

@@ -26,7 +26,10 @@ here.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
+import hashlib
 import json
 import os
 import shutil
@@ -56,12 +59,22 @@ def step_folder(directory, step: int) -> Path:
     return Path(directory) / f"step-{step:08d}"
 
 
+MANIFEST_KEYS = ("step", "world_size", "sizes")  # what every manifest holds (since 2026-12-02; "sha256" since #52)
+
+
 def read_manifest(folder: Path) -> Optional[dict]:
-    """The folder's manifest, or None when it has none (or an unreadable one): then it is not complete."""
+    """The folder's manifest, or None when it has none (or one that is no JSON: then the folder is not complete).
+    A manifest that lacks a key every commit writes is a :class:`CheckpointError` naming the file and the key."""
+    path = folder / MANIFEST
     try:
-        return json.loads((folder / MANIFEST).read_text())
+        manifest = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    missing = [k for k in MANIFEST_KEYS if not isinstance(manifest, dict) or k not in manifest]
+    if missing:
+        raise CheckpointError(f"{path} is no commhooks manifest: it has no {missing[0]!r} key (every commit writes "
+                              f"{', '.join(MANIFEST_KEYS)}); remove the folder or restore the file")
+    return manifest
 
 
 def complete_folders(root: Path) -> List[Path]:
@@ -106,18 +119,66 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+class WriteError(OSError):
+    """A file could not be written; ``cause`` says why in words a user acts on (:data:`WRITE_CAUSES`)."""
+
+    def __init__(self, cause: int, message: str):
+        super().__init__(message)
+        self.cause = cause
+
+
+# why a write failed, by the code the ranks exchange (0: it did not), in words that name what to do
+WRITE_CAUSES = {1: "no space left on the device", 2: "a read-only filesystem", 3: "no permission to write there",
+                4: "an error writing the file"}
+
+
+def write_cause(exc: BaseException, folder: Path) -> int:
+    """The :data:`WRITE_CAUSES` code of ``exc``, raised while writing in ``folder``.  torch's writer reports a full
+    disk as ``unexpected pos``, without the errno: the disk's free space (read before the partial file goes) says
+    it then."""
+    code = getattr(exc, "errno", None)
+    if code == errno.ENOSPC:
+        return 1
+    if code == errno.EROFS:
+        return 2
+    if code in (errno.EACCES, errno.EPERM):
+        return 3
+    with contextlib.suppress(OSError):
+        if shutil.disk_usage(folder).free < (1 << 20):
+            return 1
+    return 4
+
+
 def durable_write(path: Path, write) -> int:
     """``write(file)`` to a temporary name, force it to disk, rename it to ``path``, force the folder entry:
-    a reader sees the whole file or none.  Returns the file's size."""
+    a reader sees the whole file or none.  Returns the file's size.  On a failure the temporary file is removed
+    (a full disk stays no fuller) and :class:`WriteError` names the cause and the folder."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as fd:
-        write(fd)
-        fd.flush()
-        os.fsync(fd.fileno())
-        size = fd.tell()
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fd:
+            write(fd)
+            fd.flush()
+            os.fsync(fd.fileno())
+            size = fd.tell()
+        os.replace(tmp, path)
+    except Exception as exc:  # noqa: BLE001 - any failure: named, and nothing left behind
+        cause = write_cause(exc, path.parent)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise WriteError(cause, f"{WRITE_CAUSES[cause]} writing {path} ({type(exc).__name__}: {exc})") from exc
     _fsync_dir(path.parent)
     return size
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file, hex (read in 16 MiB pieces).  A rank's digest goes into the manifest when it is
+    committed and is checked at the load: a file changed since (bit rot, a copy cut short at the same size) is
+    refused like a missing one.  Costs one read of the file each way (from the page cache right after a write)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fd:
+        for piece in iter(lambda: fd.read(1 << 24), b""):
+            digest.update(piece)
+    return digest.hexdigest()
 
 
 def atomic_save(obj, path: Path) -> int:
@@ -226,17 +287,22 @@ class CommitGroup:
                 f"{who}: the ranks are at different steps (from {low} to {high}; this rank {self.rank} at {step}): "
                 "call it at the same point of the loop on every rank; nothing was written")
 
-    def _sizes_on_every_rank(self, size: Optional[int]) -> Tuple[List[int], List[int]]:
-        """Every rank's file size (``None``: this rank could not write), read on the host: returns only once
-        every rank has written its file (or failed to).  Returns (sizes, the ranks that failed)."""
-        world, rank = self.world, self.rank
-        values = torch.zeros(2 * world, dtype=torch.float64, device=self.device)
-        if size is None:
-            values[world + rank] = 1.0
-        else:
-            values[rank] = float(size)
+    def _files_on_every_rank(self, size: Optional[int], digest: str, cause: int) -> Tuple[List[int], List[str], dict]:
+        """Every rank's file size and SHA-256 (``cause``: why this rank could not write, :data:`WRITE_CAUSES`),
+        read on the host: returns only once every rank has written its file (or failed to).  The digest travels
+        as 11 words of 24 bits (exact in float64).  Returns (sizes, digests, {failed rank: cause})."""
+        world, rank, words = self.world, self.rank, 11
+        values = torch.zeros((2 + words) * world, dtype=torch.float64, device=self.device)
+        values[rank] = float(size or 0)
+        values[world + rank] = float(cause)
+        if digest:
+            number = int(digest, 16)
+            for i in range(words):
+                values[2 * world + rank * words + i] = float((number >> (24 * i)) & 0xFFFFFF)
         values = [int(v) for v in self.allreduce_max(values).tolist()]
-        return values[:world], [r for r in range(world) if values[world + r]]
+        digests = [format(sum(values[2 * world + r * words + i] << (24 * i) for i in range(words)), "064x")
+                   for r in range(world)]
+        return values[:world], digests, {r: values[world + r] for r in range(world) if values[world + r]}
 
     def commit(self, directory, step: int, contents: dict, keep: int, commit_timeout_s: float,
                on_event=None) -> Path:
@@ -251,20 +317,29 @@ class CommitGroup:
         """
         root = Path(directory)
         folder = step_folder(root, step)
-        folder.mkdir(parents=True, exist_ok=True)
-        wrote = ""
+        wrote, size, digest, cause = "", None, "", 0
+        mine = folder / f"rank{self.rank}.pt"
         try:  # a rank that cannot write says so in the size exchange: every rank then raises, none waits
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise WriteError(write_cause(exc, root), f"cannot make {folder} ({exc})") from exc
             if on_event is not None:
                 on_event("writing", step)
-            size = atomic_save(contents, folder / f"rank{self.rank}.pt")
+            size = atomic_save(contents, mine)
+            digest = file_digest(mine)
             if on_event is not None:
                 on_event("written", step)
         except Exception as exc:  # noqa: BLE001 - any failure to write: a full disk, an unpicklable `extra`
-            size, wrote = None, f"{type(exc).__name__}: {exc}"
-        sizes, unwritten = self._sizes_on_every_rank(size)  # on the host: every rank has written
-        if unwritten:
+            cause, wrote = getattr(exc, "cause", 4), f"{type(exc).__name__}: {exc}"
+        sizes, digests, unwritten = self._files_on_every_rank(size, digest, cause)  # on the host: all have written
+        if unwritten:  # nothing is committed: each rank removes its own file (a full disk gets its space back)
+            with contextlib.suppress(OSError):
+                mine.unlink()
+            causes = "; ".join(f"rank {r}: {WRITE_CAUSES[c]}" for r, c in sorted(unwritten.items()))
             raise CheckpointError(
-                f"checkpoint {folder} was not written by rank(s) {unwritten} (the previous one stays the latest)"
+                f"checkpoint {folder} was not written by rank(s) {sorted(unwritten)} ({causes}; the previous one "
+                "stays the latest)"
                 + (f"; this rank: {wrote}" if wrote else ""))
         missing = ""
         if self.rank == 0:
@@ -272,7 +347,7 @@ class CommitGroup:
                 missing = _wait_until_visible(folder, sizes, self.commit_wait_s(commit_timeout_s))
                 if not missing:
                     manifest = {"step": step, "world_size": self.world, "synced": contents["synced"],
-                                "version": __version__, "sizes": sizes}
+                                "version": __version__, "sizes": sizes, "sha256": digests}
                     durable_write(folder / MANIFEST, lambda fd: fd.write(json.dumps(manifest).encode()))
                     durable_write(root / LATEST, lambda fd: fd.write(folder.name.encode()))
                     for old in complete_folders(root)[keep:] if keep > 0 else []:

@@ -88,6 +88,7 @@ result.update(checksum=float(sum(p.detach().double().sum() for p in model.parame
               step=None if hook is None else hook.step, syncs=None if hook is None else hook.syncs,
               warmup=None if hook is None else getattr(hook.config, "warmup_steps", None),
               total=None if hook is None else hook.config.total_steps,
+              schedule=None if hook is None else hook.report()["schedule"],
               params={n: p.detach().float().flatten()[:8].tolist() for n, p in list(model.named_parameters())[:3]})
 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fd:
     json.dump(result, fd)

@@ -78,19 +78,29 @@ def config_conflicts(mine, theirs) -> dict:
     return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
 
 
+def objects_of(cls) -> list:
+    """Every live object of ``cls`` (a framework keeps the engine it built to itself: found among the garbage
+    collector's objects).  The scan asks every object its class, and a few of torch's deprecated names warn when
+    asked (``torch.distributed.reduce_op``): their warnings are not the user's business, so the scan is quiet."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = []
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, cls):
+                    found.append(obj)
+            except ReferenceError:  # a weakref proxy whose object is gone
+                continue
+        return found
+
+
 def find_ddp(module: torch.nn.Module) -> Optional[torch.nn.parallel.DistributedDataParallel]:
     """The ``DistributedDataParallel`` wrapping ``module`` (frameworks hand callbacks the unwrapped module and
     keep the DDP one to themselves); ``module`` itself if it is one; None if there is none."""
     ddp_class = torch.nn.parallel.DistributedDataParallel
     if isinstance(module, ddp_class):
         return module
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, ddp_class) and obj.module is module:
-                return obj
-        except ReferenceError:  # a weakref proxy whose object is gone
-            continue
-    return None
+    return next((obj for obj in objects_of(ddp_class) if obj.module is module), None)
 
 
 def _fingerprint(model, device) -> torch.Tensor:

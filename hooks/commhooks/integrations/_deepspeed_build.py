@@ -6,8 +6,9 @@ called from inside it, once (no re-entrancy), and every call without a ``comm_ho
 
 from __future__ import annotations
 
-import gc
 import threading
+
+from ._common import objects_of
 
 _LOCAL = threading.local()
 
@@ -45,7 +46,4 @@ def engine_of(module):
 
     if isinstance(module, DeepSpeedEngine):
         return module
-    for obj in gc.get_objects():
-        if isinstance(obj, DeepSpeedEngine) and getattr(obj, "module", None) is module:
-            return obj
-    return None
+    return next((obj for obj in objects_of(DeepSpeedEngine) if getattr(obj, "module", None) is module), None)

@@ -159,9 +159,9 @@ class CommHookCallback(Callback):
         named = set()
         for ckpt in Path(dirpath).glob("*.ckpt"):
             try:
-                record = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False).get("commhooks") or {}
-            except Exception:  # noqa: BLE001 - being written, or not Lightning's: remove nothing
-                return
+                record = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=True).get("commhooks") or {}
+            except Exception:  # noqa: BLE001 - being written, not Lightning's, or holding more than data (no
+                return  # foreign code is run to find out): remove nothing
             if record.get("run") == self._run_id:
                 named.add(int(record["step"]))
         newest = max(steps)

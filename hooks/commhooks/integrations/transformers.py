@@ -27,7 +27,6 @@ What the callback does, and why (each was a silent problem with a hand-written o
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from typing import Optional
@@ -36,7 +35,7 @@ from transformers import TrainerCallback
 
 from .. import ddp as ddp_adapter
 from ..config import ConfigError, load_config
-from ._common import config_conflicts, fill_schedule, find_ddp, load_ranks, save_ranks
+from ._common import config_conflicts, fill_schedule, find_ddp, load_ranks, objects_of, save_ranks
 
 log = logging.getLogger("commhooks")
 
@@ -71,9 +70,9 @@ class CommHookCallback(TrainerCallback):
         state."""
         import transformers
 
-        for obj in gc.get_objects():
+        for obj in objects_of(transformers.Trainer):
             try:
-                mine = isinstance(obj, transformers.Trainer) and self in obj.callback_handler.callbacks
+                mine = self in obj.callback_handler.callbacks
             except Exception:  # noqa: BLE001 - a weakref proxy whose object is gone, a Trainer half built
                 continue
             if mine and hasattr(obj, "_load_optimizer_and_scheduler"):

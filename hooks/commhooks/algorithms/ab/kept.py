@@ -50,6 +50,9 @@ class ABKept:
         r = self.report()
         lines = [f"AB report: step {r['step']}, phase {r['phase']}, role {r['role']} in group {r['group']}",
                  *format_layers(r)]
+        share = f" ({r['bytes_vs_allreduce']:.1%} of plain allreduce's {size(r['allreduce_bytes'])})" if (
+            r["bytes_vs_allreduce"] is not None) else ""
+        lines.append(f"  syncs {r['syncs']}, {size(r['bytes'])} sent{share}")
         lines.append("  bytes by phase: " + ", ".join(f"{t}={size(b)}" for t, b in sorted(r["bytes_by_tag"].items())))
         return "\n".join(lines)
 

@@ -39,6 +39,9 @@ def report(state) -> dict:
             "bytes": sent, "bytes_by_tag": state.meter.by_tag(), "allreduce_bytes": dense,
             "bytes_vs_allreduce": round(sent / dense, 4) if dense else None,
             "memory_bytes": kept, "memory_vs_weights": round(kept["total"] / weights, 3) if weights else None,
+            # the run's length and warm-up as the state uses them (an integration may have filled them in from
+            # the trainer's scheduler: the only place a user sees that it did)
+            "schedule": {k: getattr(state.config, k) for k in getattr(type(state.config), "schedule_keys", {})},
             **state.algorithm_report()}
 
 
