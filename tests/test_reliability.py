@@ -143,9 +143,9 @@ def _commit_with_late_files(rank, world, ckdir, delay):
     # a rank whose write fails (a full disk): every rank raises at once, nobody waits for the timeout
     import commhooks.commit as ck
 
-    real_save = ck.atomic_save
+    real_save = ck.digested_save
     if rank == 1:
-        ck.atomic_save = lambda obj, path: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+        ck.digested_save = lambda obj, path: (_ for _ in ()).throw(OSError(28, "No space left on device"))
     try:
         started = time.monotonic()
         commhooks.save_checkpoint(ckdir, net, opt, state, sched)
@@ -153,7 +153,7 @@ def _commit_with_late_files(rank, world, ckdir, delay):
     except commhooks.CheckpointError as exc:
         seen["unwritten"], seen["unwritten_after_s"] = str(exc), time.monotonic() - started
     finally:
-        ck.atomic_save = real_save
+        ck.digested_save = real_save
     net2, opt2, sched2, state2 = build("qsr")
     seen["resumed_step"] = commhooks.load_checkpoint(ckdir, net2, opt2, state2, sched2)["step"]
     return seen

@@ -172,8 +172,8 @@ def durable_write(path: Path, write) -> int:
 
 def file_digest(path: Path) -> str:
     """The SHA-256 of a file, hex (read in 16 MiB pieces).  A rank's digest goes into the manifest when it is
-    committed and is checked at the load: a file changed since (bit rot, a copy cut short at the same size) is
-    refused like a missing one.  Costs one read of the file each way (from the page cache right after a write)."""
+    committed (:func:`digested_save` hashes the file on its way to the disk) and is checked at the load: a file
+    changed since (bit rot, a copy cut short at the same size) is refused like a missing one."""
     digest = hashlib.sha256()
     with open(path, "rb") as fd:
         for piece in iter(lambda: fd.read(1 << 24), b""):
@@ -184,6 +184,32 @@ def file_digest(path: Path) -> str:
 def atomic_save(obj, path: Path) -> int:
     """``torch.save(obj)`` to ``path`` by :func:`durable_write`; returns the file's size."""
     return durable_write(path, lambda fd: torch.save(obj, fd))
+
+
+class _Digesting:
+    """A file torch.save writes through, hashing what it writes (no second read of the file)."""
+
+    def __init__(self, fd):
+        self.fd, self.sha256 = fd, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.fd.write(data)
+
+    def flush(self) -> None:
+        self.fd.flush()
+
+
+def digested_save(obj, path: Path) -> Tuple[int, str]:
+    """:func:`atomic_save` that also gives the SHA-256 of what it wrote (hashed on the way to the disk)."""
+    out = []
+
+    def write(fd) -> None:
+        through = _Digesting(fd)
+        torch.save(obj, through)
+        out.append(through.sha256.hexdigest())
+
+    return durable_write(path, write), out[0]
 
 
 def _wait_until_visible(folder: Path, sizes: List[int], timeout_s: float) -> str:
@@ -326,8 +352,7 @@ class CommitGroup:
                 raise WriteError(write_cause(exc, root), f"cannot make {folder} ({exc})") from exc
             if on_event is not None:
                 on_event("writing", step)
-            size = atomic_save(contents, mine)
-            digest = file_digest(mine)
+            size, digest = digested_save(contents, mine)
             if on_event is not None:
                 on_event("written", step)
         except Exception as exc:  # noqa: BLE001 - any failure to write: a full disk, an unpicklable `extra`
