@@ -6,6 +6,8 @@ tests assert, so the suite starts the process group once.  The reference is the 
 DDP: each rank of a pair syncs its half of the parameters across the pairs, as an FSDP rank syncs its shard.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -201,7 +203,11 @@ def _moved(rank):
 def _one_replica(rank, world, tmp):
     """2 ranks, one replica group of 2 shards, load the 4-rank run's checkpoints."""
     make, extra = CASES["outer-int8"]
-    model, opt, state = _sharded(make, extra)
+    with warnings.catch_warnings(record=True) as caught:  # one replica group: said, on every rank
+        warnings.simplefilter("always")
+        model, opt, state = _sharded(make, extra)
+    assert any("one replica group" in str(w.message) and "replica_mesh(group_size=K)" in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
     loaded = commhooks.fsdp.load_checkpoint(f"{tmp}/synced", model, opt, state)
     weights = _full(model)
     _train(model, opt, state, rank, 6)

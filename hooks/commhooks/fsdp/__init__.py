@@ -40,6 +40,7 @@ rank (its state's ``engine_data_parallel`` is False: a rank here holds rows of e
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -95,6 +96,13 @@ def register(model, optimizer, config, process_group=None, scaler=None, **state_
     elif given != size:
         raise ConfigError(f"{conf.kind}.group_size {given} must be the shard group's {size} ranks (the model is "
                           f"sharded over {size}); leave group_size out or set {size}")
+    world = dist.get_world_size(process_group)
+    if size == world:  # every rank on every rank the same verdict: a warning, so a one-group try run still runs
+        warnings.warn(
+            f"commhooks.fsdp: the model is sharded over all {world} ranks (FSDP2's default 1-D mesh), one replica "
+            f"group: {conf.kind} has no other group to sync with and sends nothing. To sync replica groups, shard "
+            f"over a (replicate, shard) mesh: mesh = commhooks.fsdp.replica_mesh(group_size=K) with K dividing "
+            f"{world}, then fully_shard(module, mesh=mesh['shard'])", UserWarning, stacklevel=2)
     named, slices = local_shards(model)
     engine = facts.for_model(model, replica_data_parallel=True, master_slices=slices)
     state = algorithm.state_class(optimizer=optimizer, named_parameters=named, engine=engine,
