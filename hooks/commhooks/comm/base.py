@@ -424,11 +424,7 @@ class Comm:
         if not tensors or group.size == 1:
             return tensors
         flat = flatten(tensors)
-        call = Call(self, "broadcast", group, tag, flat, self.rank == src)
-        try:
-            self._broadcast_flat(flat, src, group)
-        except Exception as exc:
-            raise call.failed(exc) from exc
+        Call(self, "broadcast", group, tag, flat, self.rank == src).guard(self._broadcast_flat, flat, src, group)
         unflatten_into(flat, tensors)
         return tensors
 
@@ -473,11 +469,7 @@ class Comm:
         returns, one per member in group-rank order (viewed as ``shape`` if given); failures name the call."""
         flat = tensor.reshape(-1).contiguous()
         call = Call(self, kind, group, tag, flat, metered)
-        try:
-            started = primitive(flat, group)
-        except Exception as exc:
-            raise call.failed(exc) from exc
-        work = call.pieces(started, flat.numel(), shape)
+        work = call.pieces(call.guard(primitive, flat, group), flat.numel(), shape)
         return work if async_op else work.wait()
 
     def notify_join(self, joinable) -> None:

@@ -41,6 +41,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from ..comm import Comm, Work
+from ..comm.base import unflatten_into
 from .exchange import OwnerFeedback, TwoStep
 
 CODECS = ("fp32", "bf16", "int8", "int4", "int2", "topk")
@@ -285,10 +286,7 @@ def flat_into(buf: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tenso
 
 def write_flat(tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     """The flat ``flat`` written back into ``tensors`` (cast to each one's dtype)."""
-    offset = 0
-    for t in tensors:
-        t.data.copy_(flat[offset: offset + t.numel()].view_as(t))
-        offset += t.numel()
+    unflatten_into(flat, [t.data for t in tensors])
 
 
 def start_change_mean(comm: Comm, tensors: Sequence[torch.Tensor], anchor: torch.Tensor, codec, proof: torch.Tensor,

@@ -9,7 +9,7 @@ from typing import Dict
 from ..contract.parameters import tensors_to
 from ..contract.report import size
 from .lowrank import Basis, format_layers, layer_compression
-from .schedule import AB, Clock
+from .schedule import Clock
 
 
 class ABKept:
@@ -79,5 +79,4 @@ class ABKept:
         # each layer's factors beside its weight (a model spread over devices keeps its layers where they are)
         self.bases = {n: Basis(**tensors_to(b, self._param[n].device)) for n, b in state["bases"].items()}
         self.entry = None if state.get("entry") is None else state["entry"].clone()
-        if self.clock.phase != AB and self.step:  # a full-rank or warm-up step: the ranks agree after it
-            self.sync_context.in_sync = self.step
+        self.note_agreement()

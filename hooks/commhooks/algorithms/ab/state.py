@@ -139,7 +139,12 @@ class ABState(ABKept, AlgorithmState):
     def after_step(self) -> None:
         """Run the transitions due before the next step."""
         self._advance()
-        if self.phase != AB:  # warm-up and full-rank steps average every gradient: the ranks agree after each
+        self.note_agreement()
+
+    def note_agreement(self) -> None:
+        """Warm-up and full-rank steps average every gradient over the world: the ranks agree after each (what
+        ``in_sync_at`` answers, after a step and after a load)."""
+        if self.phase != AB and self.step:
             self.sync_context.in_sync = self.step
 
     def _advance(self) -> None:

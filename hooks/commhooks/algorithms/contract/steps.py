@@ -217,8 +217,7 @@ class SyncContext:
     def synced(self, group=None, complete: bool = True) -> None:
         """Count a sync (``complete``: every rank now holds the same weights); every ``check_every``-th, prove
         that ``group`` agrees on what it made identical."""
-        if self.engine_refresh is not None:
-            self.engine_refresh()
+        self.changed()
         self.syncs += 1
         self.sync_steps.append(self.step)
         if complete:
@@ -347,12 +346,11 @@ class StepAlignment:
         and stays missing if no rank had it (a flag allreduce and a host read per step while strays exist)."""
         ps, reduced, strays = self.params, self.reduced, []
         self.reduced = set()
-        if ps.module is not None and not ps.names_given:  # every parameter a step may change: the module's
-            seen, own = set(), ps.module.parameters()   # trainable ones (or those handed over), the optimizers'
-        else:  # (an optimizer's flat parameter is covered by its views)
-            seen, own = set(ps.flat_ids), ps.tensors
+        handed = ps.module is None or ps.names_given  # every parameter a step may change: the tensors handed over
+        own = ps.tensors if handed else ps.module.parameters()  # (all) or the module's trainable ones, and the
+        seen = set(ps.flat_ids) if handed else set()  # optimizers' (a flat one is covered by its views)
         for p in own:
-            if (p.requires_grad or ps.names_given or ps.module is None) and id(p) not in seen:
+            if (handed or p.requires_grad) and id(p) not in seen:
                 seen.add(id(p))
                 strays += [] if id(p) in reduced else [p]
         for opt in ps.optimizers:
