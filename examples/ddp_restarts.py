@@ -7,6 +7,10 @@ start and every restart.
 A rank killed at any point (torchrun then restarts every rank; SLURM's ``--requeue`` starts the job again) comes
 back from the newest complete checkpoint in ``$OUT/ckpt`` and ends with the parameters of a run never killed.
 Each rank prints its parameter checksum at the end, the same on every rank.
+
+``commhooks.launch.init_distributed()``, not ``dist.init_process_group()``: torchrun's restarts reuse its agent's
+store, and with the plain call a restarted rank can read the dead attempt's addresses (a hang in the rendezvous,
+or gloo's "Connection refused" using up a restart); ``init_distributed`` keys each attempt apart.
 """
 
 import os
@@ -17,9 +21,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
+import commhooks.launch
 
-dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-local_rank = int(os.environ.get("LOCAL_RANK", 0))
+# --8<-- [start:init]
+placement = commhooks.launch.init_distributed()  # nccl where CUDA is, else gloo; each restart keyed apart
+# --8<-- [end:init]
+local_rank = placement["local_rank"]
 device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 rank = dist.get_rank()
 torch.manual_seed(0)

@@ -142,15 +142,23 @@ def test_framework_examples(script, tmp_path):
     _run(TORCHRUN + [f"examples/{script}"], env={"ACCELERATE_USE_CPU": "1", "OUT": str(tmp_path)})
 
 
-def test_restarts_example_resumes_from_its_own_checkpoint(tmp_path):
-    """examples/ddp_restarts.py (docs/pages/operations/fault-tolerance.md): started again as if the job had died
-    before its last checkpoint was committed (its manifest removed), it goes on from step 200 (resume="auto") and
-    ends with the weights of the run that went through."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "examples/ddp_restarts.py"]
-    first = _run(cmd, env={"OUT": str(tmp_path)})
-    assert "resumed from" not in first
-    (tmp_path / "ckpt" / "step-00000300" / "manifest.json").unlink()  # the last save, cut before its commit
-    (tmp_path / "ckpt" / "latest").write_text("step-00000200")
-    again = _run(cmd, env={"OUT": str(tmp_path)})
-    assert _checksums(again) == _checksums(first) and "resumed from step 200" in again
+def test_restarts_example_restarts_after_a_kill_and_resumes_from_its_own_checkpoint(tmp_path):
+    """examples/ddp_restarts.py (docs/pages/operations/fault-tolerance.md), unchanged, under the documented
+    ``torchrun --max-restarts``: rank 1 SIGKILLed after the first checkpoint (a fault from outside the script:
+    tests/scripts/kill_after_checkpoint/sitecustomize.py) restarts on torchrun's first try (two starts of each rank,
+    no more), resumes from step 100 and ends with the fault-free run's weights.  Started again as if the job had
+    died before its last checkpoint was committed (its manifest removed), it goes on from step 200."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
+           "3", "examples/ddp_restarts.py"]
+    fault_free = _run(cmd, env={"OUT": str(tmp_path / "fault-free")})
+    assert "resumed from" not in fault_free
+    killed = _run(cmd, env={"OUT": str(tmp_path / "killed"), "KILL_STEP": "150", "KILL_RANK": "1",
+                            "PYTHONPATH": str(REPO / "tests" / "scripts" / "kill_after_checkpoint")})
+    starts = sorted(p.name for p in (tmp_path / "killed" / "attempts").iterdir())
+    assert starts == ["rank0.attempt0", "rank0.attempt1", "rank1.attempt0", "rank1.attempt1"], starts
+    assert "exitcode: -9" in killed and killed.count("resumed from step 100") == 2
+    assert _checksums(killed) == _checksums(fault_free)
+    (tmp_path / "fault-free" / "ckpt" / "step-00000300" / "manifest.json").unlink()  # the last save, cut short
+    (tmp_path / "fault-free" / "ckpt" / "latest").write_text("step-00000200")
+    again = _run(cmd, env={"OUT": str(tmp_path / "fault-free")})
+    assert _checksums(again) == _checksums(fault_free) and "resumed from step 200" in again
