@@ -102,9 +102,11 @@ class Checkpointer:
         for name, value in (("commit_timeout_s", commit_timeout_s), ("write_timeout_s", write_timeout_s)):
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"Checkpointer: {name} must be a number of seconds > 0, got {value!r}")
-        if not getattr(getattr(state, "comm", None), "fixed_world", True):
-            raise ValueError("Checkpointer: this state's ranks come and go (commhooks.torchft): its groups heal from "
-                             "each other instead; see docs/pages/operations/fault-tolerance.md")
+        if not getattr(getattr(state, "comm", None), "fixed_world", True) and (resume != "never" or every_seconds):
+            raise ValueError("Checkpointer: this state's replica groups come and go (commhooks.torchft): pass "
+                             "checkpoint_dir= and checkpoint_every= to commhooks.torchft.register instead (the groups "
+                             "save at the same steps and agree on the one to resume from); see "
+                             "docs/pages/operations/fault-tolerance.md")
         self.directory = Path(directory)
         self.model, self.optimizer, self.state, self.scheduler = model, optimizer, state, scheduler
         self.every_steps, self.every_seconds, self.keep, self.extra = every_steps, float(every_seconds), keep, extra

@@ -237,7 +237,8 @@ class CommitGroup:
     """The ranks that agree on a checkpoint and commit it together, built from the hook ``state`` and ``model``.
 
     ``device``: where the agreement tensors go (the hook's device, else the model's: an NCCL group refuses CPU
-    tensors); ``rank`` and ``world``: the hook Comm's, else torch.distributed's, else 0 and 1; ``timeout_s``: the
+    tensors); ``rank`` and ``world``: the hook Comm's (not a live one's: those of the replica group inside it),
+    else torch.distributed's, else 0 and 1; ``timeout_s``: the
     collective timeout the other ranks wait with while rank 0 commits (the hook Comm's; None: none known).  Its
     collectives go through the hook's Comm (unmetered: a checkpoint is not the algorithm's traffic), else the
     default process group; :meth:`over` makes one that talks over a gloo group of its own (the Checkpointer's
@@ -247,6 +248,10 @@ class CommitGroup:
     def __init__(self, state=None, model=None):
         self.state = state
         self._comm = comm = getattr(state, "comm", None) if state is not None else None
+        if comm is not None and not getattr(comm, "fixed_world", True):
+            # live replica groups (commhooks.torchft): the hook's Comm spans the groups, which come and go; a
+            # group's checkpoint is its own ranks' (torch.distributed's group inside it, or one process)
+            self._comm = comm = None
         if comm is not None:
             self.device = comm.device
             self.rank, self.world = comm.rank, comm.size

@@ -6,13 +6,17 @@ through: one member per replica group, rank and size those of the quorum.
 
 * **Means.**  ``Manager.allreduce`` with SUM, divided here by the number of groups that took part.
 * **A group lost mid-collective.**  torchft does not raise: it records the error and leaves the tensor
-  undefined.  This Comm then restores the input, votes the step down (``should_commit()`` is False), asks for
-  a quorum of the survivors only (``start_quorum(shrink_only=True, allow_heal=False)``: no group joins in the
-  middle of a sync) and tries again, until ``timeout_s`` has passed since the first try (the Lighthouse sees a
-  group gone only after its heartbeat timeout).  Each retry is on the survivors: alone, a group's mean is its own.
-  This assumes every survivor saw the loss; one that completed the collective while another did not (possible
-  from 3 groups, if the lost one died in the last exchange) goes on, and the two then fail the next step proof
-  with a DivergenceError on both: an error, never a silent difference.
+  undefined.  Every collective ends with torchft's vote (``should_commit()``), which the ranks of a replica
+  group take together: in a group of several ranks, rank i meets rank i of the other groups, and one rank's
+  counterpart may die while another's still answers; the vote gives the group one verdict.  On a failed vote
+  this Comm restores the input, asks for a quorum of the survivors only (``start_quorum(shrink_only=True,
+  allow_heal=False)``: no group joins in the middle of a sync) and tries again, until ``timeout_s`` has passed
+  since the first try (the Lighthouse sees a group gone only after its heartbeat timeout).  Each retry is on
+  the survivors: alone, a group's mean is its own.  This assumes every surviving group saw the loss; one that
+  completed the collective while another did not (possible from 3 groups, if the lost one died in the last
+  exchange) goes on, and the two then fail the next step proof with a DivergenceError on both: an error, never
+  a silent difference.  A rank of this group that died makes the vote time out here: the group's launcher
+  restarts the whole group, which heals when it joins.
 * **Allgather** (compressed payloads) is an allreduce SUM of a buffer with one slot per group (the others
   zero): it carries size x the payload, and survives a shrink, since it is laid out again for the new quorum.
   **All-to-all** (the two-step exchange) is refused: its pieces are cut for a fixed number of groups.
@@ -86,16 +90,19 @@ class ManagedComm(Comm):
             work.wait()
             self.used = True
             error = self.manager.errored()
-            if error is None:
+            # torchft's vote, which every rank of this replica group takes together: one verdict for the group,
+            # so a rank whose counterpart in a lost group died and a rank whose counterpart still answered
+            # retry (or go on) alike; a rank of this group that died makes it time out and fail here
+            if self.manager.should_commit():
                 if op == "mean":
                     buf.div_(self.size)
                 return buf
             flat.copy_(saved)  # what torchft left there is undefined
             if time.monotonic() > deadline:
+                why = error.original_exception if error is not None else "another rank of this replica group's"
                 raise CollectiveError(f"torchft: no quorum completed the collective within {limit:g} s "
-                                      f"(last error: {error.original_exception})")
-            self.manager.should_commit()  # votes this step down; the next quorum drops the lost group
-            self.retries += 1
+                                      f"(last error: {why})")
+            self.retries += 1  # the next quorum drops the lost group
             self.requorum(allow_heal=False, shrink_only=True)
 
     def _allreduce_flat(self, flat: torch.Tensor, op: str, group: Group, async_op: bool,
