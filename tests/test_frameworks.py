@@ -89,13 +89,16 @@ CPU = {"ACCELERATE_USE_CPU": "1"}
 
 @pytest.fixture(scope="module")
 def accelerate_runs(tmp_path_factory):
-    """Every Accelerate run of this module, in two launches: AB with accumulation 2 saved at step 6 and the same on
-    other data; then, from their checkpoints, the plain DDP loop, the resumes (bit-exact, foreign, bare), QSR in
-    bf16, a NaN and Accelerate's own DDP."""
+    """Every Accelerate run of this module, in two launches: AB with accumulation 2 saved at step 6, the same on
+    other data, and QSR with SGD without momentum saved at step 6; then, from their checkpoints, the plain DDP loop,
+    the resumes (bit-exact, foreign, bare, and loads commhooks did not see), QSR in bf16, a NaN and Accelerate's own
+    DDP."""
     root = tmp_path_factory.mktemp("accelerate")
     ab = ("--hook", "ab", "--accum", "2")
+    sgd = ("--hook", "qsr", "--sgd")  # an optimizer whose state dict holds no state
     runs = torchrun_runs("accelerate_run.py", {"ab": (root / "ab", *ab, "--save-at", "6"),
-                                              "other": (root / "other", *ab, "--save-at", "6", "--data-offset", "1")},
+                                              "other": (root / "other", *ab, "--save-at", "6", "--data-offset", "1"),
+                                              "sgd": (root / "sgd", *sgd, "--save-at", "6")},
                          env=CPU)
     # the folder holding another run's per-rank state of the same step (copied by hand), and one without any
     without_commhooks_state(root / "ab" / "ckpt", root / "foreign")
@@ -107,6 +110,13 @@ def accelerate_runs(tmp_path_factory):
         "resumed": (root / "resumed", *ab, "--resume-from", str(root / "ab" / "ckpt"), "--load-before-register"),
         "foreign": (root / "foreign-run", *ab, "--resume-from", str(root / "foreign"), "--load-before-register"),
         "refused": (root / "refused", *ab, "--resume-from", str(root / "bare")),
+        "sgd-resumed": (root / "sgd-resumed", *sgd, "--resume-from", str(root / "sgd" / "ckpt"),
+                        "--load-before-register"),
+        # load_state before commhooks.integrations.accelerate was imported: the folder it read is unknown
+        "sgd-unseen": (root / "sgd-unseen", *sgd, "--resume-from", str(root / "sgd" / "ckpt"),
+                       "--load-before-register", "--unseen-load"),
+        "adamw-unseen": (root / "adamw-unseen", *ab, "--resume-from", str(root / "ab" / "ckpt"),
+                         "--load-before-register", "--unseen-load"),
         "qsr": (root / "qsr", "--hook", "qsr", "--bf16", "--save-every", "3"),
         "nan": (root / "nan", "--hook", "qsr", "--nan-at", "4"),
         # {"type": "none"}: the same loop (with state:, save_state) on Accelerate's own DDP
@@ -127,6 +137,21 @@ def test_accelerate_refuses_a_foreign_or_missing_per_rank_state(accelerate_runs)
     assert "error" not in runs["other"][0], runs["other"][0]
     foreign_everywhere(runs["foreign"], "Accelerate")  # another run's per-rank state: refused, naming both
     refused_everywhere(runs["refused"], "Accelerate")
+
+
+@pytest.mark.xdist_group("accelerate")
+def test_accelerate_refuses_a_load_state_it_did_not_see_even_with_a_stateless_optimizer(accelerate_runs):
+    """load_state before the module's import: refused on every rank, naming the fix, with SGD without momentum
+    (whose state dict holds nothing: it used to restart the hook at step 0 silently) as with AdamW; the same load
+    seen resumes SGD bit-exact."""
+    _, runs = accelerate_runs
+    assert identical(runs["sgd-resumed"], 12) == identical(runs["sgd"], 12)
+    for name in ("sgd-unseen", "adamw-unseen"):
+        for r in runs[name]:
+            said = r.get("error", "")
+            assert said.startswith("ConfigError: commhooks.integrations.accelerate.register: the optimizer comes "
+                                   "from a commhooks checkpoint (the hook at step 6 there)"), (name, r)
+            assert "Import commhooks.integrations.accelerate at the top of the script, before load_state" in said
 
 
 @pytest.mark.xdist_group("accelerate")

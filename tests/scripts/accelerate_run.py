@@ -1,7 +1,8 @@
 """An Accelerate loop with commhooks, or the same loop on plain DDP with commhooks.ddp.register, 2 CPU ranks.
 
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 tests/scripts/accelerate_run.py --out DIR --hook qsr
-        [--plain] [--accum 2] [--steps N] [--save-at K] [--resume-from DIR] [--nan-at K] [--bf16]
+        [--plain] [--accum 2] [--steps N] [--save-at K] [--resume-from DIR] [--nan-at K] [--bf16] [--sgd]
+        [--load-before-register [--unseen-load]]
 
 Each rank writes DIR/rank<r>.json: its parameter checksum and first values, the hook's step and syncs, the error.
 """
@@ -20,6 +21,9 @@ p.add_argument("--save-at", type=int, default=0)
 p.add_argument("--resume-from")
 p.add_argument("--load-before-register", action="store_true", help="load_state right after prepare, as HF's examples")
 p.add_argument("--save-every", type=int, default=0, help="save_state into one folder every K steps")
+p.add_argument("--unseen-load", action="store_true",
+               help="load_state as if commhooks.integrations.accelerate were imported after it (Accelerate's own)")
+p.add_argument("--sgd", action="store_true", help="SGD without momentum: an optimizer that keeps no state")
 args = p.parse_args()
 
 CONFIGS = {**configs(total_steps=args.steps), "none": {"type": "none"}}  # none: Accelerate's DDP, metered
@@ -31,7 +35,10 @@ def batch(step, micro, rank):
 
 
 model = tiny_gpt2()
-optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+if args.sgd:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0)
+else:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 result = {}
 if args.plain:
     import torch.distributed as dist
@@ -63,7 +70,8 @@ else:
     state = None
     try:
         if args.resume_from and args.load_before_register:
-            accelerator.load_state(args.resume_from)
+            load = Accelerator.load_state.__wrapped__ if args.unseen_load else Accelerator.load_state
+            load(accelerator, args.resume_from)
         state = integration.register(accelerator, net, optimizer, CONFIGS[args.hook])  # the line
     except Exception as exc:  # noqa: BLE001 - reported to the test (register restores after an early load_state)
         result["error"] = f"{type(exc).__name__}: {exc}"

@@ -19,7 +19,9 @@ there and silently registers nothing else.  What ``register`` does:
   ``accelerator.load_state(dir)`` each rank restores its own over rank 0's, or every rank raises if they are
   missing or were saved beside other weights (a silent divergence otherwise).  ``load_state`` may come before
   ``register`` (as in Hugging Face's example scripts): ``register`` then restores each rank's state from the
-  folder ``load_state`` read.
+  folder ``load_state`` read.  A ``load_state`` that ran before this module was imported is refused on every rank
+  (the folder it read is unknown): the optimizer Accelerate saved carries the hook's step, so even an optimizer
+  that keeps no state (SGD without momentum) shows it.
 
 Launch as Accelerate users do: ``accelerate launch --num_processes 2 script.py`` on GPUs; on CPUs
 ``ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 script.py`` (``accelerate launch --cpu`` starts one process).
@@ -34,6 +36,7 @@ from ..config import ConfigError
 from ._common import find_ddp, load_ranks, save_ranks
 
 _LOADED_FROM = "_commhooks_loaded_from"  # on an Accelerator: the folder its last load_state read
+_SAVED_STEP = "commhooks_step"  # in a saved optimizer's first param group: the hook's step at that save
 
 
 def _note_loads() -> None:
@@ -64,6 +67,53 @@ def _note_loads() -> None:
 _note_loads()
 
 
+def _torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside what ``prepare`` returned (one, or a list)."""
+    return [getattr(o, "optimizer", o) for o in (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])]
+
+
+def _mark_saves(optimizers, state) -> None:
+    """Every ``state_dict`` of ``optimizers`` carries the hook's step in its first param group (torch keeps a saved
+    group's unknown keys on load and ignores them in ``step``).  ``load_state`` loads rank 0's optimizer on every
+    rank, so a load commhooks did not see (this module imported after it) still leaves the step on every rank's
+    optimizer, even one that keeps no state (SGD without momentum), where :func:`register` finds it."""
+    def mark(optimizer, state_dict):
+        if state_dict["param_groups"]:
+            state_dict["param_groups"][0][_SAVED_STEP] = int(state.step)
+        return state_dict
+
+    for optimizer in optimizers:
+        optimizer.register_state_dict_post_hook(mark)
+
+
+def _take_saved_step(optimizers):
+    """The hook's step a loaded commhooks checkpoint left in ``optimizers`` (:func:`_mark_saves`), or None; taken out
+    of the live param groups, so that a later save marks its own step and nothing else reads it."""
+    found = None
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            step = group.pop(_SAVED_STEP, None)
+            found = step if step is not None else found
+    return found
+
+
+def _refuse_an_unseen_load(saved, optimizers) -> None:
+    """Refused on every rank (each loaded rank 0's optimizer: no collective, no hang): an optimizer loaded from a
+    commhooks checkpoint (``saved``: the hook's step there) or holding state, with no ``load_state`` noted.
+    Registering would go on from rank 0's weights and optimizer with the hook at step 0, a silent restart; the
+    folder that load read is unknown, so each rank's own state cannot be found."""
+    if saved is None and not any(s for o in optimizers for s in o.state.values()):
+        return
+    what = (f"the optimizer comes from a commhooks checkpoint (the hook at step {saved} there)" if saved is not None
+            else "the optimizer already holds state")
+    raise ConfigError(
+        f"commhooks.integrations.accelerate.register: {what}, but no accelerator.load_state was seen (it ran "
+        "before commhooks.integrations.accelerate was imported, or the model trained before register): the ranks "
+        "would go on from rank 0's weights and optimizer with the hook at step 0. Import "
+        "commhooks.integrations.accelerate at the top of the script, before load_state (register then restores "
+        "each rank's state from the folder load_state read), or call register right after prepare")
+
+
 def _sharded(model) -> bool:
     """Whether Accelerate's FSDP plugin (FSDP2's ``fully_shard`` or FSDP1's wrapper) shards ``model``."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -89,18 +139,15 @@ def register(accelerator, model, optimizer, config, scaler=None):
             "DistributedDataParallel (2 or more processes: accelerate launch --num_processes N, or "
             "ACCELERATE_USE_CPU=1 torchrun --nproc_per_node N on CPUs)")
     loaded_from = getattr(accelerator, _LOADED_FROM, None)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    if loaded_from is None and any(inner.state.values()):
-        raise ConfigError(
-            "commhooks.integrations.accelerate.register: the optimizer already holds state (accelerator.load_state "
-            "ran before this module was imported, or the model trained before register): the ranks would go on "
-            "from rank 0's weights and optimizer with the hook at step 0. Import commhooks.integrations.accelerate "
-            "at the top of the script (then register restores each rank's state after load_state), or call "
-            "register right after prepare")
+    optimizers = _torch_optimizers(optimizer)
+    saved = _take_saved_step(optimizers)  # read before anything else sees the groups
+    if loaded_from is None:
+        _refuse_an_unseen_load(saved, optimizers)
     state = ddp_adapter.register(ddp_model, optimizer, config, scaler=scaler)
     if not hasattr(state, "state_dict"):  # {"type": "none"}: DDP's allreduce, the ranks never differ
         return state
     module = ddp_model.module
+    _mark_saves(state.optimizers, state)
 
     def save_every_rank(models, weights, output_dir):  # one checkpoint's worth per folder saved into
         save_ranks(output_dir, module, state.optimizers, state, state.step, keep=1)
@@ -109,6 +156,7 @@ def register(accelerator, model, optimizer, config, scaler=None):
         folder = getattr(accelerator, _LOADED_FROM)
         setattr(accelerator, _LOADED_FROM, None)
         load_ranks(folder, module, state.optimizers, state, None, "Accelerate")
+        _take_saved_step(state.optimizers)  # the step load_state (and the per-rank files) brought: read, not kept
 
     accelerator.register_save_state_pre_hook(save_every_rank)
     original_load = accelerator.load_state
