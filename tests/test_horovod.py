@@ -69,6 +69,23 @@ def check(results):
         assert err < 1e-5, err
         size = r["world"]
         assert r["fp16_mean"] == [40960.0 + 1024.0 * (size - 1) / 2] * 5, r["fp16_mean"]  # no overflow to inf
+    check_own_order([r["own_order"] for r in results])
+
+
+def check_own_order(runs):
+    """Horovod's own order (optimizer, then broadcast) from different draws: no warning, the same report on every
+    rank; a script that broadcasts nothing is started from rank 0's weights, with a warning on every rank and
+    (that broadcast being no training traffic) the same report too."""
+    for own in runs:
+        assert own["qsr"]["warned"] == own["ab"]["warned"] == [], (own["qsr"]["warned"], own["ab"]["warned"])
+        said = own["no-broadcast"]["warned"]
+        assert len(said) == 1 and "started from different weights" in said[0] and "manual_seed" in said[0], said
+    for name in ("qsr", "ab", "no-broadcast"):
+        first = runs[0][name]
+        for own in runs[1:]:
+            assert (own[name]["bytes"], own[name]["share"]) == (first["bytes"], first["share"]) and first["bytes"] > 0, \
+                (name, [(o[name]["bytes"], o[name]["share"]) for o in runs])
+            assert own[name]["checksum"] == first["checksum"], (name, [o[name]["checksum"] for o in runs])  # synced
 
 
 def check_toy(toy, engine, steps):

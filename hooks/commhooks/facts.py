@@ -74,6 +74,13 @@ class EngineFacts:
       layer's matrix through the views); FSDP2's parameters are DTensors,
       and a view is this rank's local shard of one (a sync computes on local
       tensors only: math on a DTensor runs collectives in the shard group).
+    * ``start_at_first_step``: the script may set the weights after the
+      state is built (Horovod's own order: ``DistributedOptimizer``, then
+      ``broadcast_parameters``), so the check that every rank starts from
+      the same weights (and the set-up that reads them) waits until the
+      engine calls :meth:`AlgorithmState.start_training`, where the first
+      step begins; checked at construction, it would find the ranks apart
+      and broadcast what the next line broadcasts anyway.
     * ``attach``: called with the state once it is built, so the engine's own
       idioms include it, however the state was built (DDP: ``with
       ddp_model.join():`` takes the state in, as ``Join([ddp_model, state])``).
@@ -89,6 +96,7 @@ class EngineFacts:
     master_slices: Optional[dict] = None  # id(view) -> (optimizer parameter, start, end): DeepSpeed's fused
     # fp16/bf16 master, FSDP2's DTensor (whose local part the view is)
     attach: Optional[Callable[[object], None]] = None
+    start_at_first_step: bool = False
 
 
 def launcher_local_world_size() -> Optional[int]:

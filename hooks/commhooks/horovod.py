@@ -10,6 +10,11 @@ Four changed lines for a Horovod user, and one at the end (``examples/horovod_tr
     ...                                                # the loop, unchanged
     optimizer.comm_hook_state.finish()                 # the run ends with a sync
 
+``hvd.broadcast_parameters`` may also come after the ``DistributedOptimizer`` line, as Horovod's own docs and
+benchmark write it: the check that every rank starts from the same weights (a broadcast and a warning where they
+do not) runs where the first step begins (``zero_grad``, the first gradient's reduction or ``step()``, whichever
+comes first), after the script's own broadcasts.
+
 Why a wrapper of our own: ``hvd.DistributedOptimizer`` always starts an
 allreduce during backward (``skip_synchronize()`` only skips the wait), so
 local SGD cannot ride on it.  This one keeps its contract: the same
@@ -114,7 +119,9 @@ class _HookedOptimizer:
         self.register_step_post_hook(lambda opt, args, kwargs: setattr(self, "_synchronized", False))
         comm = HorovodComm()
         hvd = comm.hvd
-        engine = facts.for_model(model, local_world_size=hvd.local_size())
+        # the script may broadcast the weights after this line (Horovod's own order): the ranks' start is checked
+        # where the first step begins (start_training, from zero_grad, _start and _before_step)
+        engine = facts.for_model(model, local_world_size=hvd.local_size(), start_at_first_step=True)
         state_class = registry.for_config(conf).state_class
         self.comm_hook_state = state_class(optimizer=self, model=model, named_parameters=named, engine=engine,
                                            comm=comm, config=conf)
@@ -122,6 +129,7 @@ class _HookedOptimizer:
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._params] if self._reduces else []
 
     def _start(self, p):
+        self.comm_hook_state.start_training()  # (once: a backward before any zero_grad or step)
         if p.grad is None:  # an unused parameter: the other ranks may have a gradient for it
             p.grad = torch.zeros_like(p)
         state = self.comm_hook_state
@@ -168,10 +176,12 @@ class _HookedOptimizer:
             # no training step, nothing to reduce (Horovod's own DistributedOptimizer is bypassed there too)
             self.comm_hook_state.not_a_training_step()
             return
+        self.comm_hook_state.start_training()
         if self._should_synchronize and not self._synchronized:
             self.synchronize()
 
     def zero_grad(self, set_to_none: bool = True):
+        self.comm_hook_state.start_training()  # a Horovod loop's first line: the ranks' start, before the forward
         if self._works:
             raise AssertionError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "

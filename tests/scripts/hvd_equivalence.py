@@ -166,7 +166,43 @@ def broadcast_optimizer_state_step():
     return state.step, state.syncs, state.meter.calls()
 
 
+def horovods_own_order():
+    """Horovod's own order (its docs, its synthetic benchmark): DistributedOptimizer, then broadcast_parameters and
+    broadcast_optimizer_state, from weights each rank drew itself; and a script that broadcasts nothing.  Per run:
+    commhooks' warnings about the start, the report's bytes and share of DDP's, a checksum after finish()."""
+    import warnings
+
+    out = {}
+    for name, hook, broadcast in (("qsr", {"type": "qsr", "h_base": 3, "total_steps": 6}, True),
+                                  ("ab", {**AB, "mode": "only-b", "warmup_steps": 0, "sync_period": 3}, True),  # bases at step 0
+                                  ("no-broadcast", {"type": "qsr", "h_base": 3, "total_steps": 6}, False)):
+        m = mlp()
+        with torch.no_grad():  # each rank's own start, as an unseeded model gives
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)), alpha=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = commhooks.horovod.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                                                         named_parameters=m.named_parameters(), hook=hook)
+            if broadcast:
+                hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+                hvd.broadcast_optimizer_state(opt, root_rank=0)
+            for step in range(6):
+                opt.zero_grad()
+                x, y = batch(step)
+                F.cross_entropy(m(x), y).backward()
+                opt.step()
+            opt.comm_hook_state.finish()
+        report = opt.comm_hook_state.report()
+        out[name] = {"warned": [str(w.message) for w in caught if "weights" in str(w.message)
+                                or "seed" in str(w.message)],
+                     "bytes": report["bytes"], "share": report["bytes_vs_allreduce"],
+                     "checksum": float(sum(p.detach().double().sum() for p in m.parameters()))}
+    return out
+
+
 result["broadcast_step"] = broadcast_optimizer_state_step()
+result["own_order"] = horovods_own_order()
 result["opposite_order"] = opposite_hook_order()
 result["fp16_mean"] = fp16_mean()
 

@@ -415,8 +415,11 @@ class Comm:
         wait, fut = call.guard(self._allreduce_flat, flat, reduction.op, group, async_op, key)
         return call.complete(wait, fut, lambda: reduction.finish(flat, tensors), async_op)
 
-    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0, group: Optional[Group] = None, tag: str = ""):
-        """Broadcast ``tensors`` from global rank ``src`` to ``group``, in place."""
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0, group: Optional[Group] = None, tag: str = "",
+                  metered: bool = True):
+        """Broadcast ``tensors`` from global rank ``src`` to ``group``, in place; metered on ``src`` (unless
+        ``metered`` is False: a repair outside training, which the meter, counting the algorithm's traffic, leaves
+        out, so that every rank's report reads the same)."""
         group = group or self.world
         tensors = list(tensors)
         if self.chosen_device is None and tensors:
@@ -424,7 +427,8 @@ class Comm:
         if not tensors or group.size == 1:
             return tensors
         flat = flatten(tensors)
-        Call(self, "broadcast", group, tag, flat, self.rank == src).guard(self._broadcast_flat, flat, src, group)
+        call = Call(self, "broadcast", group, tag, flat, metered and self.rank == src)
+        call.guard(self._broadcast_flat, flat, src, group)
         unflatten_into(flat, tensors)
         return tensors
 

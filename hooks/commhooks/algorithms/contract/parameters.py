@@ -10,7 +10,9 @@ buckets) is a *stray* the state reduces itself (:meth:`~.steps.StepAlignment.red
 ``broadcast_parameters`` make them.  An engine may leave them different (DeepSpeed with replica groups broadcasts
 inside each group only; a script that seeds no model), and a local method would then average the different starts at
 its first sync.  One 32-byte fingerprint comparison per group at set-up (a host read); only where the starts differ,
-a broadcast from the group's first rank, and a warning.
+a broadcast from the group's first rank (not metered, as the other start-up checks: every rank's report counts the
+same training traffic), and a warning.  Set-up is the state's construction, or, where the script sets the weights
+after it (Horovod's own order), where the first step begins (:meth:`~.state.AlgorithmState.start_training`).
 
 And the small helpers every algorithm module uses: warnings that point at the user's line, the optimizer inside a
 framework's wrapper, checkpoint tensors moved to a device; a state's config and optimizers from its arguments.
@@ -180,7 +182,8 @@ def start_equal(comm, params: List[torch.Tensor], buffers: List[torch.Tensor], g
             continue
         src = (over or comm.world).ranks[0]
         for dtype in dict.fromkeys(t.dtype for t in tensors):
-            comm.broadcast([t.data for t in tensors if t.dtype == dtype], src=src, group=over, tag="start")
+            comm.broadcast([t.data for t in tensors if t.dtype == dtype], src=src, group=over, tag="start",
+                           metered=False)  # no training traffic: counted on the first rank only, reports would differ
         fixed.append("the synced tensors" if over is None else "the shards")
     if group is not None:  # shard groups decide apart: the engine's refresh (a collective) runs on all or none
         if anywhere(comm, bool(fixed), tag="start") and not fixed:

@@ -7,8 +7,9 @@ algorithm: the config (an object, a dict, a JSON path or keyword arguments); the
 (default: ``torch.distributed`` over ``process_group``) and its byte meter; the start-up handshake (config, world
 size, parameter names and shapes, version and :meth:`~AlgorithmHooks.describe` agree on every rank, or every rank
 raises the same ConfigError before training); an equal start (:func:`~.parameters.start_equal`, between
-:meth:`~AlgorithmHooks.start` and :meth:`~AlgorithmHooks.begin`); a run that ends synced; ``state_dict``.  Its
-collaborators: ``state.parameter_set`` (:class:`~.parameters.ParameterSet`, the tensors covered),
+:meth:`~AlgorithmHooks.start` and :meth:`~AlgorithmHooks.begin`, at construction or, where the script sets the
+weights after it, where the first step begins: :meth:`~AlgorithmState.start_training`); a run that ends synced;
+``state_dict``.  Its collaborators: ``state.parameter_set`` (:class:`~.parameters.ParameterSet`, the tensors covered),
 ``state.alignment`` (:class:`~.steps.StepAlignment`, the optimizer step hooks) and ``state.sync_context``
 (:class:`~.steps.SyncContext`, the counters and what else a sync needs: the algorithm hands it to its sync code).
 
@@ -180,10 +181,9 @@ class AlgorithmState(AlgorithmHooks, Joinable, Reporting, DeprecatedNames):
             "config": to_dict(self.config), "world": self.comm.size, "version": __version__,
             "params": [(n, self.parameter_set.shape(p)) for n, p in self.named_params], **self.describe()})
         self.start()
-        if start_equal(self.comm, [p for _, p in self.named_params], self.float_buffers(), self.start_group(),
-                       self.display_name):
-            self.sync_context.changed()
-        self.begin()
+        self.training_started = False
+        if not self.engine.start_at_first_step:  # (else the engine calls it where the first step begins)
+            self.start_training()
         self.parameter_set.warn_unoptimized(self.named_params, self.display_name)
         if not self.engine.drives_steps:
             self.alignment.hook(self.optimizers)
@@ -234,6 +234,19 @@ class AlgorithmState(AlgorithmHooks, Joinable, Reporting, DeprecatedNames):
         self.alignment.reduced.update(map(id, params))
         return self.reduce_gradients(grads, params, flat)
 
+    def start_training(self, check: bool = True) -> None:
+        """Once, before training: every rank from the first rank's weights (:func:`~.parameters.start_equal`), then
+        :meth:`begin`.  At construction, unless the script sets the weights after it (Horovod's own order broadcasts
+        them after building the optimizer: ``EngineFacts.start_at_first_step``, and the engine calls this where the
+        first step begins).  ``check=False``: a checkpoint's weights are the start (they may differ on purpose)."""
+        if self.training_started:
+            return
+        self.training_started = True
+        if check and start_equal(self.comm, [p for _, p in self.named_params], self.float_buffers(),
+                                 self.start_group(), self.display_name):
+            self.sync_context.changed()
+        self.begin()
+
     def not_a_training_step(self) -> None:
         """The next ``optimizer.step()`` is no training step (Horovod's state broadcast): not counted, nothing sent."""
         self.alignment.uncounted = True
@@ -264,6 +277,7 @@ class AlgorithmState(AlgorithmHooks, Joinable, Reporting, DeprecatedNames):
         if "meter" in state:  # the bytes of the whole run, not only of the part since the resume
             self.meter.load(state["meter"])
         self.load_algorithm_state_dict(state)
+        self.start_training(check=False)  # a start still pending: no check; begin() finds what the load left due
 
     def remove(self) -> None:
         """Unregister the optimizer hooks and hand AMP scaling back (a DDP comm hook stays until DDP is rebuilt)."""
