@@ -69,9 +69,12 @@ def refused_everywhere(ranks, framework):
 
 
 def nan_named_everywhere(ranks, step):
+    """``step``: the loop's (or the trainer's ``global_step``'s) count from 0 where rank 0's gradients became NaN:
+    the error numbers optimizer steps from 1."""
     for r in ranks:
-        assert r.get("error", "").startswith("NonFiniteError: NaN or Inf gradient on 1 rank(s)"), r
-    assert f"at optimizer step {step} on rank 0 in:" in ranks[0]["error"], ranks[0]["error"]
+        assert r.get("error", "").startswith("NonFiniteError: NaN or Inf gradient on 1 of 2 ranks since the last "
+                                             "sync, found at the "), r
+    assert f"at optimizer step {step + 1} on rank 0 in:" in ranks[0]["error"], ranks[0]["error"]
     assert "none on this rank (1)" in ranks[1]["error"], ranks[1]["error"]
 
 

@@ -166,11 +166,12 @@ def _worker(rank, world, tmp):
     out["refused"] = _refusals(tmp)
     out["moved"] = _moved(rank)
     out["nan"] = _nan(rank)
+    out["nan_last"] = _nan(rank, at=2)
     return out
 
 
-def _nan(rank):
-    """A NaN in one rank's local gradient shard at its second step: every rank raises at the sync after step 3,
+def _nan(rank, at=1):
+    """A NaN in rank 3's local gradient shard at loop step ``at``: every rank raises at the sync after step 3,
     naming the step and the parameter (the guard reads each DTensor gradient's local part)."""
     model, opt, state = _sharded(*CASES["plain"])
     try:
@@ -178,7 +179,7 @@ def _nan(rank):
             x, y = batch(step, rank, 8)
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
-            if step == 1 and rank == 3:
+            if step == at and rank == 3:
                 model[4].weight.grad.to_local().view(-1)[0] = float("nan")
             opt.step()
     except commhooks.NonFiniteError as exc:
@@ -301,8 +302,19 @@ def test_syncs_follow_a_parameter_moved_to_new_storage(runs):
 
 
 def test_a_nan_in_one_shard_is_named_on_every_rank_at_the_next_sync(runs):
+    # rank 3's NaN (loop step 1: its 2nd optimizer step) reaches rank 2, its shard peer, through the next forward's
+    # all-gather (loop step 2); the sync spans one rank per replica group ({0, 2} and {1, 3}), yet every rank
+    # counts both ranks, over the world
     for rank, r in enumerate(runs):
         step, said = r["nan"]
         assert step == 3 and said is not None, (rank, r["nan"])
-        if rank == 3:
-            assert "at optimizer step 1 on rank 3 in: 4.weight" in said, said  # the steps done before it
+        assert said.startswith("NaN or Inf gradient on 2 of 4 ranks since the last sync, found at the QSR sync "
+                               "after optimizer step 3: "), (rank, said)
+        assert {3: "at optimizer step 2 on rank 3 in: 4.weight", 2: "at optimizer step 3 on rank 2 in: 0.weight",
+                1: "none on this rank (1)", 0: "none on this rank (0)"}[rank] in said, (rank, said)
+        # a NaN at the sync's own step reaches no peer: the sync of ranks 0 and 2 saw none, and they raise too
+        # (before: they went on to their shard group's collective, which ranks 1 and 3 had left, and failed there)
+        step, said = r["nan_last"]
+        assert step == 3 and said is not None and said.startswith(
+            "NaN or Inf gradient on 1 of 4 ranks since the last sync, found at the QSR sync after optimizer step 3: "
+            + ("at optimizer step 3 on rank 3 in: 4.weight" if rank == 3 else f"none on this rank ({rank})")), said

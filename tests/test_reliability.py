@@ -329,40 +329,86 @@ def test_nan_weight_before_the_svd_is_named_on_every_rank():
         assert message is not None and "NaN or Inf in 2.weight" in message and "SVD" in message, message
 
 
-def _nan_gradient(rank, world, policy):
+def _nan_loop(rank, net, opt, nan_at, steps=4, before_after=None):
+    """``for step in range(steps)``: NaN inputs on this rank at loop step ``nan_at[rank]``; (``before_after``, a
+    dict) the weights around that step."""
+    for step in range(steps):
+        x, y = batch(step, rank)
+        if step == nan_at.get(rank):
+            x = x * float("nan")
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        if step == nan_at.get(rank) and before_after is not None:
+            before_after["before"] = weights(net.module)
+        opt.step()
+        if step == nan_at.get(rank) and before_after is not None:
+            before_after["after"] = weights(net.module)
+
+
+def _raised(run) -> str:
+    """``run()``'s NonFiniteError (or CollectiveError: a rank left waiting) as text; None without one."""
+    try:
+        run()
+    except (NonFiniteError, CollectiveError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _nan_gradient(rank, world, policy, folder=None):
+    """``"skip"``: a NaN on both ranks at loop step 2 of 4.  ``"raise"``: NaN gradients on both ranks, on rank 0
+    at loop step 2 and on rank 1 at step 3 (both before the sync after the 4th optimizer.step()), in a blocking
+    QSR sync, a checkpoint after it, an overlapped QSR sync and an AB sync: each one's error."""
     net = DDP(mlp(), forward_sync_buffers=False)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     state = commhooks.QSRState(opt, model=net, h_base=2, nonfinite=policy, timeout_s=4)
     net.register_comm_hook(state, commhooks.qsr_hook)
-    before = None
-    t0 = time.monotonic()
-    try:
-        for step in range(4):
-            x, y = batch(step, rank)
-            if step == 2 and (policy == "skip" or rank == 0):
-                x = x * float("nan")
-            opt.zero_grad()
-            F.cross_entropy(net(x), y).backward()
-            if step == 2:
-                before = weights(net.module)
-            opt.step()
-            if step == 2:
-                after = weights(net.module)
-    except (NonFiniteError, CollectiveError) as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - t0
-    unchanged = all(torch.equal(before[n], after[n]) for n in before)
-    return state.skipped_steps, unchanged, state.step
+    if policy == "skip":
+        around = {}
+        _nan_loop(rank, net, opt, {0: 2, 1: 2}, before_after=around)
+        unchanged = all(torch.equal(around["before"][n], around["after"][n]) for n in around["before"])
+        return state.skipped_steps, unchanged, state.step
+    out = {"qsr": _raised(lambda: _nan_loop(rank, net, opt, {0: 2, 1: 3}))}
+    out["save"] = _raised(lambda: commhooks.save_checkpoint(folder, net, opt, state))  # every rank, collective
+    out["state_dict"] = _raised(state.state_dict)  # this rank's own record (no collective)
+    net = DDP(mlp(), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    state = commhooks.QSRState(opt, model=net, h_base=2, outer_lr=0.7, outer_momentum=0.9, overlap_steps=1,
+                               timeout_s=4)  # the sync sent after the 4th step lands after the 5th
+    net.register_comm_hook(state, commhooks.qsr_hook)
+    out["overlap"] = _raised(lambda: _nan_loop(rank, net, opt, {0: 2, 1: 3}, steps=6))
+    net = DDP(mlp(), forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    state = commhooks.ABState(opt, model=net, **{**AB, "sync_period": 3}, timeout_s=4)  # warm-up 4, sync after 6
+    net.register_comm_hook(state, commhooks.ab_hook)
+    out["ab"] = _raised(lambda: _nan_loop(rank, net, opt, {0: 4, 1: 5}, steps=7))
+    return out
 
 
 @pytest.mark.serial  # a 4 s collective timeout that must not fire
-def test_nan_gradient_raises_on_every_rank_at_the_next_sync_naming_step_and_parameter():
+def test_nan_gradients_on_two_ranks_are_counted_and_named_at_the_loop_s_step_on_every_rank(tmp_path):
     # the guard records on the device (no host read per step) and the record rides in the sync's step proof:
-    # at the sync after the NaN (step 4) both ranks raise together, no rank is left waiting for the other
-    (kind0, msg0, t0), (kind1, msg1, t1) = run_ranks(_nan_gradient, 2, timeout=90, policy="raise")
-    assert kind0 == kind1 == "NonFiniteError", (msg0, msg1)
-    assert "NaN or Inf gradient on 1 rank(s) since the last sync, found at the QSR sync at step 4" in msg0
-    assert "at optimizer step 2 on rank 0 in: 0.weight" in msg0, msg0
-    assert "none on this rank (1)" in msg1, msg1  # (a timeout would have been a CollectiveError, not this)
+    # at the sync after the NaNs every rank raises together, no rank is left waiting for the other (a timeout
+    # would be a CollectiveError); the error counts the ranks that saw one and numbers optimizer steps from 1,
+    # so loop step 2 of `for step in range(...)` is optimizer step 3
+    r0, r1 = run_ranks(_nan_gradient, 2, timeout=120, policy="raise", folder=str(tmp_path))
+    found = {"qsr": "found at the QSR sync after optimizer step 4:",
+             "save": "found at the QSR checkpoint after optimizer step 4 (save_checkpoint: the weights may hold it; "
+                     "nothing was written):",
+             "overlap": "found at the QSR sync sent after optimizer step 4, landed after optimizer step 5:",
+             "ab": "found at the AB sync after optimizer step 6:"}
+    seen = {"qsr": (3, 4), "save": (3, 4), "overlap": (3, 4), "ab": (5, 6)}  # (rank 0's, rank 1's) loop step + 1
+    for run, where in found.items():
+        for rank, r in enumerate((r0, r1)):
+            said = r[run]
+            assert said is not None and said.startswith("NonFiniteError: NaN or Inf gradient on 2 of 2 ranks since "
+                                                         f"the last sync, {where}"), (run, rank, said)
+            assert f"at optimizer step {seen[run][rank]} on rank {rank} in: 0.weight" in said, (run, rank, said)
+            assert "optimizer step N is the Nth optimizer.step() call of the run, counted from 1" in said, said
+        assert r0[run].split(": ")[:2] == r1[run].split(": ")[:2], (r0[run], r1[run])  # the same count and place
+    for rank, r in enumerate((r0, r1)):  # a state_dict() asks no other rank: it says only what this one saw
+        assert r["state_dict"].startswith("NonFiniteError: NaN or Inf gradient on this rank since the last sync, "
+                                          "found at the QSR checkpoint after optimizer step 4:"), r["state_dict"]
+    assert not list(tmp_path.iterdir()), "nothing may be written"
 
 
 def test_nan_gradient_skip_policy_counts_and_keeps_ranks_in_step():

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ._version import __version__
-from .algorithms.contract.checks import DivergenceError, NonFiniteError
+from .algorithms.contract.checks import DivergenceError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -301,18 +301,18 @@ class CommitGroup:
 
     def agree_to_save(self, step: int, who: str = "save_checkpoint") -> None:
         """Before anything is written: every rank at the same ``step`` (else DivergenceError on every rank) and no
-        rank with a NaN/Inf gradient since its last sync (else NonFiniteError on every rank).  One allreduce."""
+        rank with a NaN/Inf gradient since its last sync (else NonFiniteError on every rank, counting those
+        ranks: a flag per rank in the same max).  One allreduce."""
         state = self.state
-        nonfinite = float(bool(state is not None and hasattr(state, "alignment")
-                               and state.alignment.guard.seen() is not None))
-        spread = self.allreduce_max(torch.tensor([float(step), -float(step), nonfinite], dtype=torch.float64,
+        flags = [0.0] * self.world
+        flags[self.rank] = float(bool(state is not None and hasattr(state, "alignment")
+                                      and state.alignment.guard.seen() is not None))
+        spread = self.allreduce_max(torch.tensor([float(step), -float(step), *flags], dtype=torch.float64,
                                                  device=self.device)).tolist()
-        high, low = int(spread[0]), -int(spread[1])
-        if spread[2]:
-            raise NonFiniteError(
-                f"{who} at step {step}: a rank saw a NaN or Inf gradient since its last sync (the weights may "
-                "hold it; nothing was written); the rank that saw it names the step and the parameters at its next "
-                "sync")
+        high, low, bad = int(spread[0]), -int(spread[1]), int(sum(spread[2:]))
+        if bad:  # (only a state with the guard sets a flag, and every rank has the same kind of state)
+            state.sync_context.raise_nonfinite(bad, f"checkpoint after optimizer step {step} ({who}: the weights may "
+                                                    "hold it; nothing was written)")
         if high != low:
             raise DivergenceError(
                 f"{who}: the ranks are at different steps (from {low} to {high}; this rank {self.rank} at {step}): "

@@ -58,8 +58,8 @@ def _save(engine, original, save_dir, tag, client_state, save_latest, **kwargs):
     where = _replica_dir(engine, save_dir)
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     state = getattr(engine, "comm_hook_state", None)
-    if state is not None and hasattr(state, "alignment"):  # all ranks refuse together, before
-        state.alignment.refuse_everywhere(f"checkpoint at step {state.step} (nothing was written)")  # any write
+    if state is not None and hasattr(state, "alignment"):  # all ranks refuse together, before any write
+        state.alignment.refuse_everywhere(f"checkpoint after optimizer step {state.step} (nothing was written)")
     out = original(where, tag=tag, client_state=client_state or {}, save_latest=save_latest, **kwargs)
     if save_latest and dist.get_rank() != 0 and where != str(save_dir) and (
             dist.get_rank() % engine.dp_world_size == 0):  # DeepSpeed writes 'latest' on global rank 0 only

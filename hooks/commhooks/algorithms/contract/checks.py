@@ -93,11 +93,27 @@ def first_bad(first: Optional[torch.Tensor], names: Sequence[str]) -> Optional[T
     return step, [n for s, n in bad if s == step]
 
 
+STEP_NUMBERING = ("optimizer step N is the Nth optimizer.step() call of the run, counted from 1: `step == N - 1` "
+                  "in a loop `for step in range(...)`")
+
+
 def nonfinite_message(seen: Optional[Tuple[int, List[str]]], rank: int) -> str:
-    """What this rank saw (:func:`first_bad`), for the NonFiniteError every rank raises."""
+    """What this rank saw (:func:`first_bad`), for the NonFiniteError every rank raises.  The record holds the
+    steps taken before the bad one; the message numbers the bad one as :data:`STEP_NUMBERING` says."""
     if seen is None:
         return f"none on this rank ({rank}); the rank(s) that saw one name the step and the parameters"
-    return f"at optimizer step {seen[0]} on rank {rank} in: {', '.join(seen[1][:20])}"
+    return f"at optimizer step {seen[0] + 1} on rank {rank} in: {', '.join(seen[1][:20])}"
+
+
+def nonfinite_error(name: str, ranks: Optional[int], size: int, where: str, seen: str) -> NonFiniteError:
+    """The error of the ``nonfinite="raise"`` guard: ``ranks`` of the world's ``size`` saw a NaN/Inf gradient
+    (None: this rank did, the others were not asked), found at ``where``; ``seen``: this rank's
+    :func:`nonfinite_message`.  Its start is the same on every rank that counted, so a log's lines match."""
+    who = "this rank" if ranks is None else f"{ranks} of {size} ranks"
+    return NonFiniteError(
+        f"NaN or Inf gradient on {who} since the last sync, found at the {name} {where}: {seen} ({STEP_NUMBERING}; "
+        "nonfinite='raise' checks on the device and reads the record at each sync and checkpoint; set "
+        "nonfinite='skip' to skip such steps instead)")
 
 
 def same_everywhere(comm: Comm, tensors: Sequence[torch.Tensor], group=None) -> bool:

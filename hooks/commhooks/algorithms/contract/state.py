@@ -262,9 +262,10 @@ class AlgorithmState(AlgorithmHooks, Joinable, Reporting, DeprecatedNames):
             self.end_step()
 
     def state_dict(self) -> dict:
-        """The counters and :meth:`algorithm_state_dict`; NonFiniteError after a NaN/Inf gradient (``"raise"``)."""
+        """The counters and :meth:`algorithm_state_dict`; NonFiniteError after a NaN/Inf gradient (``"raise"``) on
+        this rank: no collective (a caller may ask one rank only), so the error counts no other rank."""
         if self.alignment.guard.seen() is not None:
-            self.sync_context.raise_nonfinite(1, f"checkpoint at step {self.step}")
+            self.sync_context.raise_nonfinite(None, f"checkpoint after optimizer step {self.step}")
         return {"step": self.step, "syncs": self.syncs, "skipped_steps": self.skipped_steps,
                 "config": to_dict(self.config), "meter": self.meter.snapshot(), **self.algorithm_state_dict()}
 

@@ -22,8 +22,7 @@ import torch
 
 from ...comm import CollectiveError
 from ..averaging import average_
-from .checks import (DivergenceError, NonFiniteError, count_everywhere, first_bad, nonfinite_message,
-                     verify_identical)
+from .checks import DivergenceError, count_everywhere, first_bad, nonfinite_error, nonfinite_message, verify_identical
 
 _LIMBS = 3  # steps below 262,144 compared exactly, beyond that modulo it
 _SCALE, _NONFINITE = 2 * _LIMBS + 1, 2 * _LIMBS + 3  # indices of log2(scale) (its square follows), the NaN flag
@@ -166,11 +165,16 @@ class SyncContext:
         group = self.optimizer.param_groups[0]
         return float(group.get("scheduled_lr", group["lr"]))
 
-    def proof(self) -> torch.Tensor:
-        """This rank's step proof, on the synced tensors' device, to ride in a sync's payload."""
+    def proof(self, within=None) -> torch.Tensor:
+        """This rank's step proof (on the synced tensors' device) for a sync's payload.  ``within``: the replica
+        group of a sync over one rank of each; the NaN/Inf slot then counts the group's ranks (a 4-byte allgather
+        in it: the path a sync takes already), so that the sync's sum counts the world's and all ranks raise."""
         scaler = self.amp.scaler  # its scale (torch's field), else the one a GradScaler handed the last step
         scale = scaler._scale if scaler is not None and scaler._scale is not None else self.amp.last_scale
-        return step_proof(self.step, scale, self.guard.indicator(self.comm.device), self.comm.device)
+        flag = self.guard.indicator(self.comm.device)
+        if within is not None:
+            flag = sum(self.comm.allgather(flag, group=within, tag="check", metered=False))
+        return step_proof(self.step, scale, flag, self.comm.device)
 
     def check(self, mean: torch.Tensor, group, tag: str, step: Optional[int] = None) -> None:
         """After a sync: the ranks' mean proof (made at ``step``, default now) shows one step everywhere and no
@@ -179,21 +183,20 @@ class SyncContext:
         step = self.step if step is None else step
         sums = torch.round(mean.double() * size).tolist()  # the sync's one host read of its proof
         check_step_proof(sums, step, size, self.comm.rank, f"{self.name} {tag} at step {step}")
-        if sums[_NONFINITE]:
-            self.raise_nonfinite(int(sums[_NONFINITE]), f"{tag} at step {self.step}")
+        if sums[_NONFINITE]:  # (the world's count: a sync over a part of it made its proofs ``within``)
+            where = tag if step == self.step else f"{tag} sent after optimizer step {step}, landed"
+            self.raise_nonfinite(int(sums[_NONFINITE]), f"{where} after optimizer step {self.step}")
         if size > 1 and size * sums[_SCALE + 1] != sums[_SCALE] ** 2:
             self.amp.equalize(self.comm, group)
 
-    def raise_nonfinite(self, ranks: int, where: str) -> None:
-        raise NonFiniteError(
-            f"NaN or Inf gradient on {ranks} rank(s) since the last sync, found at the {self.name} {where}: "
-            f"{self.guard.message(self.comm.rank)} (nonfinite='raise' checks on the device and reads the record at "
-            "each sync and checkpoint; set nonfinite='skip' to skip such steps instead)")
+    def raise_nonfinite(self, ranks: Optional[int], where: str) -> None:
+        """NonFiniteError: ``ranks`` of the world saw a NaN/Inf gradient (None: this rank, no count taken)."""
+        raise nonfinite_error(self.name, ranks, self.comm.size, where, self.guard.message(self.comm.rank))
 
-    def average(self, tensors: Sequence[torch.Tensor], group=None, tag: str = "sync") -> None:
-        """Average ``tensors`` in place over ``group`` (default: the world), the step proof riding along."""
-        proof = self.proof()
+    def average(self, tensors: Sequence[torch.Tensor], group=None, tag: str = "sync", within=None) -> None:
+        """Average ``tensors`` in place over ``group`` (default: the world), the step proof (:meth:`proof`) along."""
         with self.failures():
+            proof = self.proof(within)
             average_(self.comm, tensors, group=group, tag=tag, rider=proof)
         self.check(proof, group, tag)
 

@@ -102,6 +102,12 @@ class SyncDriver:
             out.append(tensors[i].detach().view(-1)[a:b])
         return out
 
+    @property
+    def within(self):
+        """The replica group when a sync spans one rank of each (``across``): the step proof counts its NaN/Inf
+        ranks, so that sync's sum counts the world's (:meth:`~commhooks.algorithms.contract.SyncContext.proof`)."""
+        return self.replica if self.across is not None else None
+
     def sent(self) -> Tensors:
         """The parameters this rank sends across groups: its part (hierarchical), else all of them."""
         plan, params = self.plan, self.covered.tensors
@@ -179,14 +185,14 @@ class SyncDriver:
             if not self.plan.sharded:
                 ctx.average(self.params() + self.buffers() + self.moments(), tag="sync")
             else:
-                ctx.average(self.sent() + self.moments(), group=self.across, tag="sync")
+                ctx.average(self.sent() + self.moments(), group=self.across, tag="sync", within=self.within)
                 with ctx.failures():
                     self.share()
             return
         with ctx.failures():
             tag = "sync" if len(self.fragments) == 1 else f"sync-f{k}"
-            self.fragments[k].send(ctx.comm, self.pieces(self.sent(), len(self.fragments), k), ctx.proof(), ctx.step,
-                                   apply_at, group=self.across, tag=tag,
+            self.fragments[k].send(ctx.comm, self.pieces(self.sent(), len(self.fragments), k), ctx.proof(self.within),
+                                   ctx.step, apply_at, group=self.across, tag=tag,
                                    seed=ctx.rounding_seed() * 64 + k, scale=scale)
 
     def land(self, k: int) -> None:
@@ -210,7 +216,7 @@ class SyncDriver:
         if buffers and (self.plan.outer_step or self.plan.sharded):
             self.ctx.average(buffers, tag="sync-buffers")
         if moments and self.plan.outer_step:
-            self.ctx.average(moments, group=self.across, tag="sync-moments")
+            self.ctx.average(moments, group=self.across, tag="sync-moments", within=self.within)
 
 
 class FragmentSync:
