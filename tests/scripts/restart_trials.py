@@ -6,6 +6,8 @@ the fault-free checksum.
     python tests/scripts/restart_trials.py --tries 20 --out results/restarts-2026-12-06/init_distributed.jsonl
     python tests/scripts/restart_trials.py --tries 10 --plain --out .../plain.jsonl   # dist.init_process_group
 
+``--summary DIR`` counts each ``*.jsonl`` of DIR into ``DIR/summary.json`` (what the docs' claims read).
+
 ``--plain`` runs a copy of the example whose only change is the plain ``dist.init_process_group(...)`` in place
 of ``commhooks.launch.init_distributed()`` (what the example used before 2026-12-06), with a per-try timeout.
 """
@@ -54,13 +56,37 @@ def one_try(script: Path, out: Path, timeout_s: float) -> dict:
             "resumed_from_100": text.count("resumed from step 100")}
 
 
+def counts(rows: list) -> dict:
+    """Tries by outcome: clean (one restart, the fault-free checksum on both ranks), restarted more than once
+    then finished, used up torchrun's restarts (exit 1), hung (the per-try timeout)."""
+    finished = [r for r in rows if r["rc"] == 0 and len(r["checksums"]) == 1 and r["resumed_from_100"] == 2]
+    return {"tries": len(rows), "clean": sum(r["restarts"] == 1 for r in finished),
+            "restarted_more_then_finished": sum(r["restarts"] > 1 for r in finished),
+            "restarts_used_up": sum(r["rc"] not in (0, "timeout") for r in rows),
+            "hung": sum(r["rc"] == "timeout" for r in rows),
+            "connection_refused": sum(r["connection_refused"] for r in rows),
+            "restarts_of_unclean": [r["restarts"] for r in finished if r["restarts"] > 1]}
+
+
+def summarize(folder: Path) -> None:
+    summary = {f.stem: counts([json.loads(line) for line in f.read_text().splitlines() if line.strip()])
+               for f in sorted(folder.glob("*.jsonl"))}
+    (folder / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tries", type=int, default=20)
     p.add_argument("--plain", action="store_true")
     p.add_argument("--timeout", type=float, default=180.0)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--summary", type=Path, help="a folder of trials (*.jsonl): write its summary.json")
     args = p.parse_args()
+    if args.summary is not None:
+        return summarize(args.summary)
+    if args.out is None:
+        p.error("--out FILE.jsonl is needed to run trials (or --summary DIR)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp, args.out.open("w") as log:
         script = plain_copy(Path(tmp)) if args.plain else EXAMPLE

@@ -23,7 +23,7 @@ import json
 import re
 import statistics
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 HIT, STARTING, ENDED = "hit training", "hit a start-up", "after the last step"
 KILL_KINDS = ("kill", "kill-node")  # noticed at once: a kill that hit an attempt is what ended it
@@ -174,28 +174,38 @@ def _fmt_stats(values: List[float], fmt: str) -> str:
             f"({min(values):{fmt}}-{max(values):{fmt}})")
 
 
-def kind_table(counted: List[dict]) -> str:
-    """A markdown table by fault kind over every run: how many hit training, missed, caused a failure, and
-    the time to detect and the steps lost of those that caused one (mean / median (min-max))."""
+def kind_rows(counted: List[dict]) -> List[dict]:
+    """By fault kind over every run (and "**all**"): how many hit training, missed, caused a failure, and the time
+    to detect and the steps lost of those that caused one (each a list of the figures)."""
+    rows = []
+    for kind in sorted({c["kind"] for c in counted}) + ["**all**"]:
+        mine = [c for c in counted if kind == "**all**" or c["kind"] == kind]
+        caused = [c for c in mine if c["caused_failure"]]
+        rows.append({"kind": kind, "injected": len(mine), **{o: sum(c["outcome"] == o for c in mine)
+                                                             for o in (HIT, STARTING, ENDED)},
+                     "caused a failure": len(caused), "detect_s": [c["detect_s"] for c in caused],
+                     "steps_lost": [c["steps_lost"] for c in caused]})
+    return rows
+
+
+def kind_table(rows: List[dict]) -> str:
+    """:func:`kind_rows` as a markdown table (detect time and steps lost: mean / median (min-max))."""
     head = ["kind", "injected", HIT, STARTING, ENDED, "caused a failure",
             "detect s: mean / median (range)", "steps lost: mean / median (range)"]
-    kinds = sorted({c["kind"] for c in counted})
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for kind in kinds + ["**all**"]:
-        rows = [c for c in counted if kind == "**all**" or c["kind"] == kind]
-        caused = [c for c in rows if c["caused_failure"]]
+    for r in rows:
         lines.append("| " + " | ".join(str(x) for x in [
-            kind, len(rows), *(sum(c["outcome"] == o for c in rows) for o in (HIT, STARTING, ENDED)), len(caused),
-            _fmt_stats([c["detect_s"] for c in caused], ".2f"),
-            _fmt_stats([c["steps_lost"] for c in caused], ".1f")]) + " |")
+            r["kind"], r["injected"], r[HIT], r[STARTING], r[ENDED], r["caused a failure"],
+            _fmt_stats(r["detect_s"], ".2f"), _fmt_stats(r["steps_lost"], ".1f")]) + " |")
     return "\n".join(lines)
 
 
-def table(paths: List[str]) -> str:
-    """Markdown tables of recorded runs (``faults.json`` files): one row per run, then the mean of each numeric
-    column; then the faults by kind (hit training or not, time to detect, steps lost); for live runs, the
-    fault-free runs' spread over seeds beside the loss gap."""
-    rows, counted, live, gaps, fault_free = [], [], False, [], []
+def table_data(paths: List[str]) -> dict:
+    """The figures of recorded runs (``faults.json`` files): one row per run (keyed by the table's column names),
+    the mean of each numeric column over the runs (seeds), the faults by kind, and for live runs the loss gap per
+    seed beside the fault-free runs' spread.  What :func:`table` prints, and what the docs' claims read
+    (``commhooks faults --table ... --json FILE``)."""
+    rows, counted, live, gaps, fault_free, quality = [], [], False, [], [], None
     for path in paths:
         report = json.loads(Path(path).read_text())
         f, ref = report["faulted"], report.get("reference") or {}
@@ -221,18 +231,32 @@ def table(paths: List[str]) -> str:
                      lost, f["wall_s"], ref.get("wall_s"), got, want] + ([gap] if live else []) + [same])
     head = ["run", "faults injected", HIT, STARTING, ENDED, "failures", "restarts",
             "steps lost (job started over)" if live else "steps redone", "wall s", "fault-free wall s",
-            "final " + ("mean " if live else "") + quality, "fault-free"] + (
+            "final " + ("mean " if live else "") + (quality or "quality"), "fault-free"] + (
         ["gap", "groups identical"] if live else ["bit-identical to fault-free"])
+    mean = {h: statistics.mean(r[i] for r in rows) for i, h in enumerate(head)
+            if i and len(rows) > 1 and all(isinstance(r[i], (int, float)) for r in rows)}
+    return {"live": live, "quality": quality, "head": head, "runs": [dict(zip(head, r)) for r in rows],
+            "mean": mean, "gaps": gaps, "mean_gap": statistics.mean(gaps) if gaps else None,
+            "fault_free": fault_free, "fault_free_std": statistics.stdev(fault_free) if len(fault_free) > 1 else None,
+            "kinds": kind_rows(counted)}
+
+
+def table(paths: List[str]) -> str:
+    """Markdown tables of recorded runs (:func:`table_data`): one row per run, then the mean of each numeric
+    column; then the faults by kind (hit training or not, time to detect, steps lost); for live runs, the
+    fault-free runs' spread over seeds beside the loss gap."""
+    data = table_data(paths)
+    head, live = data["head"], data["live"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    if len(rows) > 1:  # the mean over the runs (seeds) of every numeric column
-        mean = [f"{statistics.mean(r[i] for r in rows):.4g}" if all(isinstance(r[i], (int, float)) for r in rows)
-                else "" for i in range(1, len(head))]
-        if live and gaps:
-            mean[head.index("gap") - 1] = f"{statistics.mean(gaps):+.1f} %"
+    lines += ["| " + " | ".join(str(run[h]) for h in head) + " |" for run in data["runs"]]
+    if len(data["runs"]) > 1:  # the mean over the runs (seeds) of every numeric column
+        mean = [f"{data['mean'][h]:.4g}" if h in data["mean"] else "" for h in head[1:]]
+        if live and data["gaps"]:
+            mean[head.index("gap") - 1] = f"{data['mean_gap']:+.1f} %"
         lines.append("| **mean** | " + " | ".join(mean) + " |")
-    lines += ["", kind_table(counted)]
-    if live and fault_free:
-        lines += ["", f"Fault-free final {quality} over the {len(fault_free)} seeds: {spread(fault_free)}; the gap "
-                      f"with faults, per seed: {', '.join(f'{g:+.1f} %' for g in gaps)}."]
+    lines += ["", kind_table(data["kinds"])]
+    if live and data["fault_free"]:
+        lines += ["", f"Fault-free final {data['quality']} over the {len(data['fault_free'])} seeds: "
+                      f"{spread(data['fault_free'])}; the gap with faults, per seed: "
+                      f"{', '.join(f'{g:+.1f} %' for g in data['gaps'])}."]
     return "\n".join(lines)

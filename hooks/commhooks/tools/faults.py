@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from .bench import LabError, NetnsLab, remove_stale_lab
-from .fault_report import groups_identical, summarize, table
+from .fault_report import groups_identical, summarize, table, table_data
 from .fault_schedule import KINDS, LINK_KINDS, Fault, parse_at, schedule
 from .injector import Injector, LiveInjector
 
@@ -131,8 +131,11 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--table"]:  # commhooks faults --table results/<run>/seed*/faults.json
-        print(table(argv[1:]))
+    if argv[:1] == ["--table"]:  # commhooks faults --table results/<run>/seed*/faults.json [--json FILE]
+        paths, out = (argv[1:-2], argv[-1]) if argv[-2:-1] == ["--json"] else (argv[1:], None)
+        print(table(paths))
+        if out is not None:  # the same figures as data, for the docs' claims
+            Path(out).write_text(json.dumps(table_data(paths), indent=1) + "\n")
         return 0
     args = parse_args(argv)
     out = Path(args.out)
