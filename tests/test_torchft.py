@@ -150,3 +150,16 @@ def test_every_group_killed_after_a_live_checkpoint_resumes_bit_identical_with_a
         for r in (0, 1):
             a, b = (torch.load(d / f"group{g}.rank{r}.pt", weights_only=True) for d in (tmp_path / "never-killed", cut))
             assert all(torch.equal(a[k], b[k]) for k in a), (g, r)
+
+
+def test_register_names_a_bad_checkpoint_every_and_a_group_size_before_it_joins(tmp_path):
+    """Refused before any quorum is asked for (no Manager needed to see it): a save schedule of no steps, and a
+    group_size (the groups are torchft's)."""
+    import commhooks.torchft
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="checkpoint_every must be a number of steps >= 1 with checkpoint_dir, got 0"):
+        commhooks.torchft.register(model, optimizer, {"type": "qsr"}, None, checkpoint_dir=tmp_path)
+    with pytest.raises(Exception, match="qsr.group_size 2: under torchft the replica groups are torchft's"):
+        commhooks.torchft.register(model, optimizer, {"type": "qsr", "group_size": 2}, None)

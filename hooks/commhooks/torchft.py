@@ -79,6 +79,10 @@ class LiveGroups:
             raise ConfigError(f"commhooks.torchft.register: payload {config.payload!r} with payload_exchange "
                               f"{config.payload_exchange!r}: under torchft set payload_exchange to \"allgather\" (the "
                               "two-step exchange cuts its pieces for a fixed number of groups)")
+        if checkpoint_dir is not None and (not isinstance(checkpoint_every, int) or isinstance(checkpoint_every, bool)
+                                           or checkpoint_every < 1):
+            raise ValueError(f"commhooks.torchft.register: checkpoint_every must be a number of steps >= 1 with "
+                             f"checkpoint_dir, got {checkpoint_every!r}")
         self.manager, self.model, self.scheduler = manager, model, scheduler
         self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         if getattr(config, "group_size", None) not in (None, 1):
