@@ -24,6 +24,9 @@ from the fault to the failure, each rank's last error line), each restart (the s
 steps redone), and the run's wall time and summary; ``--reference`` also runs the job once without faults
 and compares the final parameters (a SHA-256 of their bytes: exact resume makes them equal), the quality
 figure and the wall time.
+
+``--torchft`` runs live replica groups instead (:mod:`.live_injector`): ``--ranks`` groups of ``--group-ranks``
+processes each; a group that fails starts again alone and heals from a live one.
 """
 
 from __future__ import annotations
