@@ -175,8 +175,8 @@ def live_costs(record: dict, outcomes: List[str], logs: Optional[Path] = None) -
         claimed.add(id(failure))
         after = [step for t, step in readings if t > failure["at_s"]]
         fell = failure.get("step") is not None and after and after[0] < failure["step"]
-        restart = next((r for r in record["restarts"] if r["group"] == fault["target"] and r["at_s"] >= failure["at_s"]),
-                       None)
+        restart = next((r for r in record["restarts"]
+                        if r["group"] == fault["target"] and r["at_s"] >= failure["at_s"]), None)
         costs.append({"caused_failure": True, "detect_s": round(failure["at_s"] - fault["injected_s"], 2),
                       "steps_lost": failure["step"] if fell else 0, **heal_times(restart, logs)})
     return costs

@@ -54,7 +54,8 @@ def run_job(args, train_argv: List[str], out: Path, lab: Optional[NetnsLab], fau
     injector = LiveInjector(args, train_argv, out, faults) if args.torchft else Injector(args, train_argv, out, lab, faults)
     record = injector.run()
     if args.torchft:  # every group's own summary: they must end identical
-        keys, size = ("heals", "retries", "joined_at", "params_sha256", "test_acc", "val_loss", "syncs"), args.group_ranks
+        keys = ("heals", "retries", "joined_at", "params_sha256", "test_acc", "val_loss", "syncs")
+        size = args.group_ranks
         # each finished rank's summary, by global rank (group * group_ranks + rank); a group stopped at the end left
         # only a dead start's files, if any
         ranks = {i: json.loads((out / f"summary.rank{i}.json").read_text()) for i in range(args.ranks * size)

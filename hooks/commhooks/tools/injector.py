@@ -1,6 +1,7 @@
 """The injector's two ways of running a job with faults: every rank restarted from its checkpoints
 (:class:`Injector`, torchelastic's way), or one replica group restarted alone to heal from the others
-(:class:`.live_injector.LiveInjector`, torchft's way).  Each records what happened in ``record``; :mod:`.fault_report` counts it.
+(:class:`.live_injector.LiveInjector`, torchft's way).  Each records what happened in ``record``;
+:mod:`.fault_report` counts it.
 """
 
 from __future__ import annotations
