@@ -107,3 +107,36 @@ def test_live_table_puts_the_fault_free_seed_spread_beside_the_gap(tmp_path):
     assert "| **mean** | 5 | 2 | 2 | 1 |" in out and "+1.0 % |  |" in out, out
     # the fault-free losses 2.0 and 2.2: std 0.1414, 6.7 % of their mean 2.1
     assert "Fault-free final val_loss over the 2 seeds: 2.0000-2.2000 (std 0.1414, 6.7 % of their mean)" in out, out
+
+
+def test_live_groups_of_two_ranks_read_every_rank_log_and_time_the_heal(tmp_path):
+    """2 groups x 2 ranks (``--group-ranks 2``): torchft's lines are in rank 0's log only.  Group 1 killed at step
+    30, restarted at 5.0 s (wall clock 1000.0): first quorum 7.5 s later, first commit 9.25 s later; then killed
+    again while starting (no commit in either rank's log)."""
+    logs = tmp_path / "faulted"
+    logs.mkdir()
+
+    def line(t, text):  # torchft's UTC timestamp: 1970-01-01T00:16:40 is 1000 s
+        return f"1970-01-01T00:{int(t) // 60:02d}:{t % 60:06.3f} [INFO] [torchft::manager] - [Replica group1] {text}\n"
+
+    commit = "should_commit completed should_commit=true"
+    (logs / "group1.rank0.start0.log").write_text(line(990.0, commit))
+    (logs / "group1.rank1.start0.log").write_text("")
+    (logs / "group1.rank0.start1.log").write_text(line(1007.5, "Finished quorum for group_rank 0")
+                                                  + line(1009.25, commit) + line(1010.0, commit))
+    (logs / "group1.rank1.start1.log").write_text("")
+    (logs / "group1.rank0.start2.log").write_text(line(1015.0, "Start quorum for group_rank 0"))
+    (logs / "group1.rank1.start2.log").write_text("")
+    faults = [fault(3.0, "kill", 1, 0, 30), fault(14.0, "kill", 1, 1, 80)]
+    failures = [{"group": 1, "at_s": 3.1, "step": 30}, {"group": 1, "at_s": 14.1, "step": 80}]
+    restarts = [{"group": 1, "at_s": 5.0, "at_unix": 1000.0, "log": f"group1.rank0.start{n}.log",
+                 "logs": [f"group1.rank{r}.start{n}.log" for r in (0, 1)]} for n in (1, 2)]
+    restarts[1].update(at_s=16.1, at_unix=1011.1)
+    record = {"faults": faults, "failures": failures, "restarts": restarts, "wall_s": 45.0, "summary": {},
+              "groups": [{"params_sha256": "a", "val_loss": 2.0}] * 2}
+    report = {"argv": ["faults", "--", "--steps", "100"], "faulted": record}
+    counted = count_faults(report, logs)
+    assert [c["outcome"] for c in counted] == [HIT, HIT]  # the second start committed before its kill
+    assert [(c["quorum_s"], c["heal_s"]) for c in counted] == [(7.5, 9.25), (None, None)]  # killed 2nd: never back
+    (tmp_path / "faults.json").write_text(json.dumps(report))
+    assert "| 9.25 / 9.25 (9.25-9.25) |" in table([str(tmp_path / "faults.json")])

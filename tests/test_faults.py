@@ -218,6 +218,44 @@ def test_injector_live_groups_a_killed_group_heals_and_the_groups_end_identical(
     assert "the live groups ended bit-identical" in proc.stdout
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--group-ranks", "2", "--", "--checkpoint-every", "5"], "--group-ranks 2 is for --torchft"),
+    (["--torchft", "--group-ranks", "0", "--"], "--group-ranks 0: processes per replica group, >= 1")])
+def test_group_ranks_is_refused_outside_live_runs_and_below_one(argv, message, capsys):
+    from commhooks.tools.faults import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.serial  # 4 processes on loopback, torchft's heartbeats
+def test_injector_live_groups_of_two_ranks_restart_a_group_whole_and_heal_it(tmp_path):
+    """``--group-ranks 2``: 2 groups of 2 ranks (DDP inside each); a kill of group 0 hits one of its ranks (drawn
+    from --seed), the injector stops the other and starts the whole group again, which heals rank by rank from
+    group 1 while group 1 goes on; all 4 ranks end bit-identical."""
+    config = json.loads((REPO / "configs" / "qsr_int8_mnist1d.json").read_text())
+    config.update(timeout_s=30, payload_exchange="allgather", error_feedback=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "live"
+    cmd = [sys.executable, "-m", "commhooks.cli", "faults", "--torchft", "--ranks", "2", "--group-ranks", "2",
+           "--at", "@20:kill:0", "--out", str(out), "--", "--model", "gpt", "--steps", "120",
+           "--config", str(tmp_path / "config.json")]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, COMMHOOKS_CACHE=str(REPO / ".cache")),
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    run = json.loads((out / "faults.json").read_text())["faulted"]
+    [kill], [failure], [restart] = run["faults"], run["failures"], run["restarts"]
+    assert failure["failed_ranks"] == [kill["rank"]] and set(failure["exits"]) == {"0", "1"}, failure
+    assert restart["logs"] == ["group0.rank0.start1.log", "group0.rank1.start1.log"], restart
+    assert sorted(p.name for p in (out / "faulted").glob("summary.rank*.json")) == [
+        f"summary.rank{i}.json" for i in range(4)]
+    by = {(r["group"], r["rank"]): r for r in run["ranks"]}
+    assert by[0, 0]["heals"] == by[0, 1]["heals"] == 1 and by[0, 0]["joined_at"] > 20, run["ranks"]
+    assert run["groups_finished"] == 2 and run["groups_identical"], run["ranks"]
+    assert "the live groups ended bit-identical" in proc.stdout
+
+
 def _plain_ddp_saves(rank, world, ckdir):
     torch.manual_seed(0)
     net = DDP(mlp())

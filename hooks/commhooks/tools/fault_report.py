@@ -12,9 +12,15 @@ costs a restart but no step; one after the last step costs nothing.  How each is
   0.05 s of an attempt's first step may be counted as hitting a start-up.
 * live groups (``--torchft``): the progress file is shared by every group, so ``step`` says the job was training
   but not whether the killed group was.  The record does not hold when a restarted group joined; the proxy is
-  the log of the incarnation the fault hit (``group<g>.start<n>.log`` beside the record): it hit training if
-  that incarnation committed a step (torchft's ``should_commit=true``) before it was killed.  Without the log,
-  a fault with a step counts as a hit (an upper bound).
+  the logs of the incarnation the fault hit (``group<g>.start<n>.log`` beside the record, or with several ranks a
+  group ``group<g>.rank<r>.start<n>.log``: torchft's Manager server, on the group's rank 0, writes these lines):
+  it hit training if that incarnation committed a step (torchft's ``should_commit=true``) before it was killed.
+  Without the logs, a fault with a step counts as a hit (an upper bound).
+
+A live group's heal time: from its restart (the record's wall clock, ``at_unix``) to the first step its new
+incarnation committed (the timestamp of torchft's first ``should_commit=true`` line; torchft writes UTC, as this
+machine's clock): the process's start-up, the quorum, the heal's transfer and one step.  ``quorum_s``: to the
+first quorum it took (torchft's "Finished quorum"), the start-up alone.  Records without ``at_unix`` have none.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import List, Optional
 
@@ -29,6 +36,8 @@ HIT, STARTING, ENDED = "hit training", "hit a start-up", "after the last step"
 KILL_KINDS = ("kill", "kill-node")  # noticed at once: a kill that hit an attempt is what ended it
 # torchft's manager logs this line each time a group commits a step (torchft 0.2.0)
 COMMITTED = re.compile(r"should_commit completed should_commit=true")
+QUORUM = re.compile(r"Finished quorum")
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+) ")  # torchft's own lines begin with the UTC time
 
 
 def summarize(record: dict, summary: Optional[dict], wall_s: float) -> dict:
@@ -90,20 +99,45 @@ def restart_outcome(fault: dict, last: Optional[int]) -> str:
     return ENDED if last is not None and fault["step"] >= last else HIT
 
 
-def incarnation_log(fault: dict, record: dict) -> str:
-    """Live groups: the log of the target group's incarnation the fault hit (its newest start before the fault)."""
-    starts = [r for r in record["restarts"] if r["group"] == fault["target"] and r["at_s"] <= fault["injected_s"]]
-    return starts[-1]["log"] if starts else f"group{fault['target']}.start0.log"
+def incarnation_logs(fault: dict, record: dict, logs: Path) -> List[Path]:
+    """Live groups: the logs (one per rank) of the target group's incarnation the fault hit (its newest start
+    before the fault); those that exist."""
+    g = fault["target"]
+    starts = [r for r in record["restarts"] if r["group"] == g and r["at_s"] <= fault["injected_s"]]
+    if starts:
+        return [logs / name for name in starts[-1].get("logs", [starts[-1]["log"]]) if (logs / name).exists()]
+    return sorted(logs.glob(f"group{g}.start0.log")) + sorted(logs.glob(f"group{g}.rank*.start0.log"))
 
 
 def live_outcome(fault: dict, last: Optional[int], logs: Optional[Path], record: dict) -> str:
-    """Live groups: the killed incarnation had committed a step (its log), and the job was not over."""
+    """Live groups: the killed incarnation had committed a step (its logs), and the job was not over."""
     if fault.get("step") is not None and last is not None and fault["step"] >= last:
         return ENDED
-    log = logs / incarnation_log(fault, record) if logs is not None else None
-    if log is not None and log.exists():
-        return HIT if COMMITTED.search(log.read_text(errors="replace")) else STARTING
+    found = incarnation_logs(fault, record, logs) if logs is not None else []
+    if found:
+        return HIT if any(COMMITTED.search(log.read_text(errors="replace")) for log in found) else STARTING
     return STARTING if fault.get("step") is None else HIT  # no log: the job had trained (an upper bound)
+
+
+def first_stamp(paths: List[Path], line: "re.Pattern") -> Optional[float]:
+    """The earliest time (seconds since the epoch) of a torchft line matching ``line`` in any of ``paths``."""
+    stamps = []
+    for path in paths:
+        for text in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            stamp = STAMP.match(text)
+            if stamp and line.search(text):
+                stamps.append(datetime.fromisoformat(stamp.group(1)).replace(tzinfo=timezone.utc).timestamp())
+                break
+    return min(stamps) if stamps else None
+
+
+def heal_times(restart: Optional[dict], logs: Optional[Path]) -> dict:
+    """A restart's seconds to its first quorum and to its first committed step (None where not known)."""
+    if restart is None or logs is None or "at_unix" not in restart:
+        return {"quorum_s": None, "heal_s": None}
+    paths = [logs / name for name in restart.get("logs", [restart["log"]])]
+    times = {key: first_stamp(paths, line) for key, line in (("quorum_s", QUORUM), ("heal_s", COMMITTED))}
+    return {key: None if t is None else round(t - restart["at_unix"], 2) for key, t in times.items()}
 
 
 def restart_costs(record: dict, outcomes: List[str]) -> List[dict]:
@@ -123,7 +157,7 @@ def restart_costs(record: dict, outcomes: List[str]) -> List[dict]:
     return costs
 
 
-def live_costs(record: dict, outcomes: List[str]) -> List[dict]:
+def live_costs(record: dict, outcomes: List[str], logs: Optional[Path] = None) -> List[dict]:
     """Live groups, per fault: the injector noticing the killed group's exit, and the job's steps lost.  The
     job loses steps only when no group was left alive: with no checkpoints it began again at step 0, which the
     record shows as the step falling after that failure; the failure just before the fall lost its step.  (The
@@ -135,13 +169,16 @@ def live_costs(record: dict, outcomes: List[str]) -> List[dict]:
         failure = next((x for x in sorted(record["failures"], key=lambda x: x["at_s"])
                         if x["group"] == fault["target"] and x["at_s"] >= fault["injected_s"]), None)
         if failure is None or outcome != HIT or id(failure) in claimed:
-            costs.append({"caused_failure": False, "detect_s": None, "steps_lost": 0})
+            costs.append({"caused_failure": False, "detect_s": None, "steps_lost": 0, "quorum_s": None,
+                          "heal_s": None})
             continue
         claimed.add(id(failure))
         after = [step for t, step in readings if t > failure["at_s"]]
         fell = failure.get("step") is not None and after and after[0] < failure["step"]
+        restart = next((r for r in record["restarts"]
+                        if r["group"] == fault["target"] and r["at_s"] >= failure["at_s"]), None)
         costs.append({"caused_failure": True, "detect_s": round(failure["at_s"] - fault["injected_s"], 2),
-                      "steps_lost": failure["step"] if fell else 0})
+                      "steps_lost": failure["step"] if fell else 0, **heal_times(restart, logs)})
     return costs
 
 
@@ -153,7 +190,7 @@ def count_faults(report: dict, logs: Optional[Path] = None) -> List[dict]:
     live = "groups" in record
     summarize(record, record.get("summary"), record.get("wall_s", 0.0))  # each failure's steps_lost
     outcomes = [live_outcome(f, last, logs, record) if live else restart_outcome(f, last) for f in record["faults"]]
-    costs = (live_costs if live else restart_costs)(record, outcomes)
+    costs = live_costs(record, outcomes, logs) if live else restart_costs(record, outcomes)
     return [{"kind": f["kind"], "outcome": o, **c} for f, o, c in zip(record["faults"], outcomes, costs)]
 
 
@@ -176,7 +213,7 @@ def _fmt_stats(values: List[float], fmt: str) -> str:
 
 def kind_rows(counted: List[dict]) -> List[dict]:
     """By fault kind over every run (and "**all**"): how many hit training, missed, caused a failure, and the time
-    to detect and the steps lost of those that caused one (each a list of the figures)."""
+    to detect, the steps lost and (live groups) the heal time of those that caused one (each a list of figures)."""
     rows = []
     for kind in sorted({c["kind"] for c in counted}) + ["**all**"]:
         mine = [c for c in counted if kind == "**all**" or c["kind"] == kind]
@@ -184,19 +221,24 @@ def kind_rows(counted: List[dict]) -> List[dict]:
         rows.append({"kind": kind, "injected": len(mine), **{o: sum(c["outcome"] == o for c in mine)
                                                              for o in (HIT, STARTING, ENDED)},
                      "caused a failure": len(caused), "detect_s": [c["detect_s"] for c in caused],
-                     "steps_lost": [c["steps_lost"] for c in caused]})
+                     "steps_lost": [c["steps_lost"] for c in caused],
+                     "heal_s": [c["heal_s"] for c in caused if c.get("heal_s") is not None],
+                     "quorum_s": [c["quorum_s"] for c in caused if c.get("quorum_s") is not None]})
     return rows
 
 
-def kind_table(rows: List[dict]) -> str:
-    """:func:`kind_rows` as a markdown table (detect time and steps lost: mean / median (min-max))."""
+def kind_table(rows: List[dict], live: bool = False) -> str:
+    """:func:`kind_rows` as a markdown table (detect time, steps lost and, for live groups, the heal time of the
+    restart that followed, restart to its first committed step: mean / median (min-max))."""
     head = ["kind", "injected", HIT, STARTING, ENDED, "caused a failure",
-            "detect s: mean / median (range)", "steps lost: mean / median (range)"]
+            "detect s: mean / median (range)", "steps lost: mean / median (range)"] + (
+        ["heal s (restart to first commit): mean / median (range)"] if live else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join(str(x) for x in [
             r["kind"], r["injected"], r[HIT], r[STARTING], r[ENDED], r["caused a failure"],
-            _fmt_stats(r["detect_s"], ".2f"), _fmt_stats(r["steps_lost"], ".1f")]) + " |")
+            _fmt_stats(r["detect_s"], ".2f"), _fmt_stats(r["steps_lost"], ".1f"),
+            *([_fmt_stats(r["heal_s"], ".2f")] if live else [])]) + " |")
     return "\n".join(lines)
 
 
@@ -254,7 +296,7 @@ def table(paths: List[str]) -> str:
         if live and data["gaps"]:
             mean[head.index("gap") - 1] = f"{data['mean_gap']:+.1f} %"
         lines.append("| **mean** | " + " | ".join(mean) + " |")
-    lines += ["", kind_table(data["kinds"])]
+    lines += ["", kind_table(data["kinds"], live)]
     if live and data["fault_free"]:
         lines += ["", f"Fault-free final {data['quality']} over the {len(data['fault_free'])} seeds: "
                       f"{spread(data['fault_free'])}; the gap with faults, per seed: "

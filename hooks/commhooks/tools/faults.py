@@ -24,6 +24,9 @@ from the fault to the failure, each rank's last error line), each restart (the s
 steps redone), and the run's wall time and summary; ``--reference`` also runs the job once without faults
 and compares the final parameters (a SHA-256 of their bytes: exact resume makes them equal), the quality
 figure and the wall time.
+
+``--torchft`` runs live replica groups instead (:mod:`.live_injector`): ``--ranks`` groups of ``--group-ranks``
+processes each; a group that fails starts again alone and heals from a live one.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from typing import List, Optional
 from .bench import LabError, NetnsLab, remove_stale_lab
 from .fault_report import groups_identical, summarize, table, table_data
 from .fault_schedule import KINDS, LINK_KINDS, Fault, parse_at, schedule
-from .injector import Injector, LiveInjector
+from .injector import Injector
+from .live_injector import LiveInjector
 
 
 def run_job(args, train_argv: List[str], out: Path, lab: Optional[NetnsLab], faults: List[Fault]) -> dict:
@@ -50,13 +54,22 @@ def run_job(args, train_argv: List[str], out: Path, lab: Optional[NetnsLab], fau
     injector = LiveInjector(args, train_argv, out, faults) if args.torchft else Injector(args, train_argv, out, lab, faults)
     record = injector.run()
     if args.torchft:  # every group's own summary: they must end identical
-        groups = [json.loads((out / f"summary.rank{g}.json").read_text()) for g in range(args.ranks)
-                  if (out / f"summary.rank{g}.json").exists() and g not in record.get("stopped_at_end", [])]
-        record["groups"] = [{k: s.get(k) for k in ("heals", "retries", "joined_at", "params_sha256", "test_acc",
-                                                    "val_loss", "syncs")} for s in groups]
+        keys = ("heals", "retries", "joined_at", "params_sha256", "test_acc", "val_loss", "syncs")
+        size = args.group_ranks
+        # each finished rank's summary, by global rank (group * group_ranks + rank); a group stopped at the end left
+        # only a dead start's files, if any
+        ranks = {i: json.loads((out / f"summary.rank{i}.json").read_text()) for i in range(args.ranks * size)
+                 if (out / f"summary.rank{i}.json").exists() and i // size not in record.get("stopped_at_end", [])}
+        groups = [ranks[i] for i in sorted(ranks) if i % size == 0]  # a group's summary: its rank 0's
+        record["groups"] = [{k: s.get(k) for k in keys} for s in groups]
+        if size > 1:  # every rank's: each rank of a group heals and retries through its own Manager
+            record["ranks"] = [{"group": i // size, "rank": i % size, **{k: ranks[i].get(k) for k in keys}}
+                               for i in sorted(ranks)]
         # the groups that finished (one killed near the end may still be rejoining when the others are done)
         record["groups_finished"] = len(groups)
-        record["groups_identical"] = groups_identical(groups)  # None: under two finished, nothing to compare
+        # None: under two finished, nothing to compare; with several ranks a group, every finished rank's model
+        same = groups_identical(groups)
+        record["groups_identical"] = same if size == 1 or same is None else groups_identical(list(ranks.values()))
     if not args.keep_checkpoints:  # a run's record is its logs and summaries; the checkpoints can be large
         shutil.rmtree(out / "checkpoints", ignore_errors=True)
     path = out / "summary.rank0.json"
@@ -78,8 +91,12 @@ def parse_args(argv=None):
     p.add_argument("--down-s", type=float, default=20.0, help="how long a link stays down or throttled")
     p.add_argument("--throttle-rate", default="1mbit", help="a throttled link's tc rate")
     p.add_argument("--torchft", action="store_true",
-                   help="live recovery: one process per replica group over torchft (--ranks groups, loopback); a "
-                        "killed group starts again alone and heals from a live one (kinds: kill, stall)")
+                   help="live recovery: replica groups over torchft (--ranks groups of --group-ranks processes, "
+                        "loopback); a killed group starts again alone and heals from a live one (kinds: kill, stall)")
+    p.add_argument("--group-ranks", type=int, default=1,
+                   help="--torchft: processes per replica group (their own process group, DDP inside it; rank i syncs "
+                        "with rank i of the other groups); a kill or a stall hits one rank of the group, drawn from "
+                        "--seed, and the whole group restarts")
     p.add_argument("--restart-delay", type=float, default=2.0, help="--torchft: seconds before a failed group restarts")
     p.add_argument("--heartbeat-s", type=float, default=1.0,
                    help="--torchft: the Lighthouse's heartbeat timeout (how soon a lost group is dropped)")
@@ -105,6 +122,11 @@ def parse_args(argv=None):
         p.error("--mtbf must be > 0 seconds")
     if any(a.startswith(("--checkpoint-dir", "--json-out", "--resume", "--progress-file")) for a in args.train):
         p.error("the injector sets --checkpoint-dir, --json-out, --resume and --progress-file itself")
+    if args.group_ranks < 1:
+        p.error(f"--group-ranks {args.group_ranks}: processes per replica group, >= 1")
+    if args.group_ranks > 1 and not args.torchft:
+        p.error(f"--group-ranks {args.group_ranks} is for --torchft (live replica groups); a restart run's ranks are "
+                "--ranks, split over --nodes")
     if args.torchft:
         asked = [item.split(":")[1] for item in args.at.split(",") if item.count(":") >= 2] if args.at else kinds
         bad = [k for k in asked if k not in LiveInjector.LIVE_KINDS]
@@ -171,9 +193,9 @@ def main(argv=None) -> int:
     if "groups_identical" in f:
         ended = {True: "bit-identical", False: "DIFFERENT", None: f"with {f['groups_finished']} group(s) finished: "
                  "nothing to compare"}[f["groups_identical"]]
-        print(f"[faults] the live groups ended {ended}; heals "
-              f"{[g['heals'] for g in f['groups']]}, collectives retried {[g['retries'] for g in f['groups']]}",
-              flush=True)
+        each = f.get("ranks", f["groups"])  # with several ranks a group: by global rank
+        print(f"[faults] the live groups ended {ended}; heals {[g['heals'] for g in each]}, collectives retried "
+              f"{[g['retries'] for g in each]}" + (" (by global rank)" if "ranks" in f else ""), flush=True)
     elif ref and f["summary"] and ref["summary"]:
         same = f["summary"]["params_sha256"] == ref["summary"]["params_sha256"]
         print(f"[faults] final parameters {'bit-identical to' if same else 'DIFFER from'} the fault-free run", flush=True)

@@ -1,6 +1,7 @@
 """The injector's two ways of running a job with faults: every rank restarted from its checkpoints
 (:class:`Injector`, torchelastic's way), or one replica group restarted alone to heal from the others
-(:class:`LiveInjector`, torchft's way).  Each records what happened in ``record``; :mod:`.fault_report` counts it.
+(:class:`.live_injector.LiveInjector`, torchft's way).  Each records what happened in ``record``;
+:mod:`.fault_report` counts it.
 """
 
 from __future__ import annotations
@@ -89,6 +90,14 @@ class Injector:
         step = self.step()
         return step is not None and step >= fault.at_step
 
+    def procs_of(self, fault: Fault) -> List[int]:
+        """The processes (indices into an attempt's ``procs``) a kill or a stall of ``fault`` signals."""
+        return self.ranks_of(fault.target) if fault.kind == "kill-node" else [fault.target]
+
+    def alive(self, attempt: Attempt, fault: Fault) -> bool:
+        """Whether the target of ``fault`` still runs."""
+        return attempt.procs[fault.target].poll() is None
+
     def _signal(self, attempt: Attempt, ranks: List[int], sig) -> None:
         for r in ranks:
             try:
@@ -104,12 +113,10 @@ class Injector:
     def inject(self, fault: Fault, attempt: Attempt) -> None:
         fault.attempt, fault.step = attempt.index, self.step()
         now = self.now()
-        if fault.kind == "kill":
-            self._signal(attempt, [fault.target], signal.SIGKILL)
-        elif fault.kind == "kill-node":
-            self._signal(attempt, self.ranks_of(fault.target), signal.SIGKILL)
+        if fault.kind in ("kill", "kill-node"):
+            self._signal(attempt, self.procs_of(fault), signal.SIGKILL)
         elif fault.kind == "stall":
-            self._signal(attempt, [fault.target], signal.SIGSTOP)
+            self._signal(attempt, self.procs_of(fault), signal.SIGSTOP)
             self.undo.append((now + fault.duration_s, "cont", fault, attempt))
         elif fault.kind == "link-down":
             self._link(fault.target, "ip", "link", "set", "{dev}", "down")
@@ -128,7 +135,7 @@ class Injector:
         into a process that already ended), the faults whose time is up undone, a 50 ms pause."""
         for fault in [f for f in pending if self.due(f)][:1]:
             pending.remove(fault)
-            if not alive_only or attempt.procs[fault.target].poll() is None:
+            if not alive_only or self.alive(attempt, fault):
                 self.inject(fault, attempt)
         self.undo_due()
         time.sleep(0.05)
@@ -139,7 +146,7 @@ class Injector:
             if not everything and self.now() < due:
                 keep.append((due, action, fault, attempt))
             elif action == "cont":
-                self._signal(attempt, [fault.target], signal.SIGCONT)
+                self._signal(attempt, self.procs_of(fault), signal.SIGCONT)
             elif action == "up":
                 self._link(fault.target, "ip", "link", "set", "{dev}", "up")
             elif action == "unthrottle":
@@ -200,11 +207,11 @@ class Injector:
             "after_last_fault_s": round(when - max(times), 2) if times else None,
             "exits": {r: p.returncode for r, p in enumerate(attempt.procs)},
             "exited_s": {r: t for r, t in self.exited.items()},
-            "errors": {r: _last_error(log) for r, log in enumerate(attempt.logs)}})
+            "errors": {r: last_error(log) for r, log in enumerate(attempt.logs)}})
         print(f"[faults] {when:7.1f}s  rank(s) {failed} failed; restarting every rank", flush=True)
 
 
-def _last_error(log: Path) -> str:
+def last_error(log: Path) -> str:
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if re.search(r"Error|error:|Killed|fault", ln)]
     return lines[-1].strip()[:400] if lines else ""
 
@@ -212,77 +219,3 @@ def _last_error(log: Path) -> str:
 def _resumed_from(log: Path) -> Optional[int]:
     found = re.search(r"resumed from \S+ at step (\d+)", log.read_text(errors="replace")) if log.exists() else None
     return int(found.group(1)) if found else None
-
-
-class LiveInjector(Injector):
-    """``--torchft``: one process per replica group over torchft, a Lighthouse in this process; a group that
-    fails is started again on its own (after ``--restart-delay``) and heals from a live one: no one else stops."""
-
-    LIVE_KINDS = ("kill", "stall")
-
-    def __init__(self, args, train_argv, out, faults):
-        super().__init__(args, train_argv, out, None, faults)
-        from torchft.coordination import LighthouseServer
-
-        self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2000,
-                                           heartbeat_timeout_ms=int(1000 * args.heartbeat_s))
-
-    @property
-    def per_node(self) -> int:
-        return 1  # a group is one process
-
-    def start_group(self, attempt: Attempt, g: int) -> None:
-        env = dict(os.environ, RANK=str(g), WORLD_SIZE=str(self.args.ranks), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "commhooks.tools.train", *self.train_argv, "--no-progress", "--backend", "torchft",
-               "--lighthouse", self.lighthouse.address(), "--progress-file", str(self.progress),
-               "--json-out", str(self.out / "summary.rank{rank}.json")]
-        log = self.out / f"group{g}.start{attempt.index}.log"
-        with open(log, "w") as f:
-            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        if g < len(attempt.procs):
-            attempt.procs[g], attempt.logs[g] = proc, log
-        else:
-            attempt.procs.append(proc)
-            attempt.logs.append(log)
-
-    def run(self) -> dict:
-        pending, restarts = list(self.faults), []  # (due_s, group)
-        attempt = Attempt(0, 0.0)
-        self.exited = {}
-        for g in range(self.args.ranks):
-            self.start_group(attempt, g)
-        ending = None  # once a group has finished: the others get --grace-s to finish too (a restart is off)
-        try:
-            while True:
-                codes = [p.poll() for p in attempt.procs]
-                if all(c == 0 for c in codes) and not restarts:
-                    break
-                if ending is None and 0 in codes:
-                    ending = self.now() + self.args.grace_s
-                    self.record["restarts_cancelled"] = [g for _, g in restarts]
-                    restarts.clear()
-                if ending is not None and self.now() > ending:  # a group that had not rejoined by the end
-                    self.record["stopped_at_end"] = [g for g, c in enumerate(codes) if c is None]
-                    break
-                for g, code in enumerate(codes):
-                    if code not in (None, 0) and ending is None and all(r != g for _, r in restarts):
-                        self.record["failures"].append({"group": g, "at_s": round(self.now(), 2), "exit": code,
-                                                        "step": self.step(), "error": _last_error(attempt.logs[g])})
-                        if sum(1 for f in self.record["failures"]) > self.args.max_restarts:
-                            raise RuntimeError(f"gave up after {self.args.max_restarts} restarts")
-                        restarts.append((self.now() + self.args.restart_delay, g))
-                        print(f"[faults] {self.now():7.1f}s  group {g} exited ({code}); it starts again in "
-                              f"{self.args.restart_delay:g}s and heals from a live group", flush=True)
-                for due, g in [r for r in restarts if r[0] <= self.now()]:
-                    restarts.remove((due, g))
-                    attempt.index += 1
-                    self.start_group(attempt, g)
-                    self.record["restarts"].append({"group": g, "at_s": round(self.now(), 2),
-                                                    "log": attempt.logs[g].name})
-                self.inject_due(pending, attempt, alive_only=True)
-        finally:
-            stop_workers(attempt.procs)
-            self.undo_due(everything=True)
-            self.lighthouse.shutdown()
-        self.record["not_injected"] = [asdict(f) for f in pending]
-        return self.record

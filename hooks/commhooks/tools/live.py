@@ -1,8 +1,12 @@
-"""``commhooks train --backend torchft``: this process is one replica group of a torchft job.
+"""``commhooks train --backend torchft``: this process is one replica group of a torchft job, or one rank of one.
 
-The fault injector (``commhooks faults --torchft``) starts one per group, with ``RANK`` / ``WORLD_SIZE`` the
-group's index and the number of groups (they pick the group's data shard), and a Lighthouse it runs itself.
-The group keeps its own rendezvous store (torchft's Manager needs one per group), joins the quorum in
+The fault injector (``commhooks faults --torchft``) starts the groups, and a Lighthouse it runs itself.  A group
+of one process gets ``RANK`` / ``WORLD_SIZE``: the group's index and the number of groups.  A group of several
+(``--group-ranks``) gets ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` of its own process group
+(DDP inside it) and the group's index and the number of groups in :data:`GROUP_VAR` / :data:`GROUPS_VAR`; rank
+*i* of a group syncs with rank *i* of the others through its own Manager.  The data shard is the global index
+``group * ranks_per_group + rank`` of ``groups * ranks_per_group``.  Each group keeps its own rendezvous store
+for its Managers (hosted by its rank 0, made new at each start), joins the quorum in
 :func:`commhooks.torchft.register`, and, started again after a crash, heals there from a live group and goes on
 from that group's step.  Loopback only: torchft's heal transport names this host by its hostname, which the
 benchmark's network namespaces do not resolve.
@@ -13,15 +17,59 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
+GROUP_VAR, GROUPS_VAR = "COMMHOOKS_LIVE_GROUP", "COMMHOOKS_LIVE_GROUPS"
+
 
 def placement() -> tuple:
-    """(this group's index, the number of groups), from the launcher's RANK / WORLD_SIZE (default: 0 of 1)."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    """(this group's index, the number of groups, this rank in the group, the ranks per group): from
+    :data:`GROUP_VAR` / :data:`GROUPS_VAR` and RANK / WORLD_SIZE inside the group where the first is set, else
+    from RANK / WORLD_SIZE as the group's index and the number of groups (default: 0 of 1), a group of one."""
+    if GROUP_VAR in os.environ:
+        return (int(os.environ[GROUP_VAR]), int(os.environ.get(GROUPS_VAR, 1)), int(os.environ.get("RANK", 0)),
+                int(os.environ.get("WORLD_SIZE", 1)))
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), 0, 1
+
+
+def start(device: str):
+    """Bring up this process of its group: (global rank, global world, mean over the group's ranks, finish).  A
+    group of several ranks first joins its own process group (:func:`commhooks.launch.init_distributed`)."""
+    import torch.distributed as dist
+
+    from ..launch import init_distributed, shutdown
+
+    group, groups, rank, size = placement()
+    if size == 1:
+        return group, groups, (lambda t: t), (lambda: None)
+    init_distributed(backend=None if device == "cuda" else "gloo")
+
+    def mean_over_group(t):
+        dist.all_reduce(t)
+        return t / size
+
+    return group * size + rank, groups * size, mean_over_group, shutdown
+
+
+def group_store():
+    """(the store for this group's Managers: hosted by its rank 0, None elsewhere; its host and port, on every
+    rank).  New at
+    each start of the group, so a restarted group never reads a dead start's keys (such as the old Manager's
+    address); the port goes over the group's process group."""
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    if not dist.is_initialized():
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        return store, "127.0.0.1", store.port
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False) if dist.get_rank() == 0 else None
+    port = [store.port if store is not None else None]
+    dist.broadcast_object_list(port)
+    return store, host, port[0]
 
 
 def join(args, model, optimizer, scheduler, conf):
-    """A torchft Manager for this group and the commhooks state over it (:class:`commhooks.torchft.LiveGroups`)."""
-    from torch.distributed import TCPStore
+    """A torchft Manager for this rank of its group and the commhooks state over it
+    (:class:`commhooks.torchft.LiveGroups`); ``model`` is DDP inside a group of several ranks."""
     from torchft import Manager, ProcessGroupGloo
 
     from .. import torchft as live_adapter
@@ -30,13 +78,14 @@ def join(args, model, optimizer, scheduler, conf):
         raise ValueError("--backend torchft needs a commhooks config (--config): it makes the syncs live")
     if not args.lighthouse:
         raise ValueError("--backend torchft needs --lighthouse (or TORCHFT_LIGHTHOUSE): the Lighthouse's address")
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this group's own
+    store, host, port = group_store()
+    group, _, rank, size = placement()
     timeout = timedelta(seconds=conf.timeout_s)
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
                       min_replica_size=1, use_async_quorum=False, timeout=timeout,
-                      quorum_timeout=timedelta(seconds=args.quorum_timeout), connect_timeout=timeout, rank=0,
-                      world_size=1, store_addr="127.0.0.1", store_port=store.port,
-                      lighthouse_addr=args.lighthouse, replica_id=f"group{placement()[0]}")
+                      quorum_timeout=timedelta(seconds=args.quorum_timeout), connect_timeout=timeout, rank=rank,
+                      world_size=size, store_addr=host, store_port=port, lighthouse_addr=args.lighthouse,
+                      replica_id=f"group{group}")
     live = live_adapter.register(model, optimizer, conf, manager, scheduler)
     live.store = store  # alive as long as the group
     return live

@@ -56,8 +56,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("ddp", "fsdp", "deepspeed", "horovod", "torchft"), default="ddp",
                    help="engine the hook plugs into; fsdp: FSDP2 shards the model inside each replica group of "
                         "--replica-group ranks (--hook none: FSDP2's own HSDP, an all-reduce across them every step); "
-                        "torchft: this process is replica group RANK of WORLD_SIZE, its syncs through torchft "
-                        "(commhooks faults --torchft starts them)")
+                        "torchft: this process is replica group RANK of WORLD_SIZE (or a rank of a group of several, "
+                        "DDP inside it), its syncs through torchft (commhooks faults --torchft starts them)")
     p.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"),
                    help="--backend torchft: the Lighthouse's address")
     p.add_argument("--quorum-timeout", type=float, default=300.0,
@@ -262,8 +262,9 @@ def build_trainer(args, model, conf, workload):
     elif args.backend == "torchft":  # the scheduler first: a group that joins late heals it too
         optimizer = new_optimizer()
         scheduler = cosine_with_warmup(optimizer, args.lr_warmup, args.steps)
-        args.live = live.join(args, model, optimizer, scheduler, conf)
-        state, forward, step = args.live.state, model, lambda: optimizer.step()
+        net = wrap_ddp(model, local_buffers=True) if dist.is_initialized() else model  # a group of several ranks
+        args.live = live.join(args, net, optimizer, scheduler, conf)
+        state, forward, step = args.live.state, net, lambda: optimizer.step()
     elif args.backend == "horovod":
         import horovod.torch as hvd
 
@@ -341,9 +342,8 @@ def shard(model, conf, replica_group, new_optimizer):
 
 def start(args):
     """Bring up the backend's ranks: (rank, world, mean_over_ranks, finish)."""
-    if args.backend == "torchft":  # no world: each group is its own process, its peers come and go
-        rank, world = live.placement()
-        return rank, world, (lambda t: t), (lambda: None)
+    if args.backend == "torchft":  # no world: each group on its own (its own process group), its peers come and go
+        return live.start(args.device)
     if args.backend == "horovod":
         from .. import horovod as hvd_adapter
 
