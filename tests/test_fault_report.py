@@ -122,7 +122,7 @@ def test_live_groups_of_two_ranks_read_every_rank_log_and_time_the_heal(tmp_path
     commit = "should_commit completed should_commit=true"
     (logs / "group1.rank0.start0.log").write_text(line(990.0, commit))
     (logs / "group1.rank1.start0.log").write_text("")
-    (logs / "group1.rank0.start1.log").write_text(line(1007.5, "Finished quorum for group_rank 0")
+    (logs / "group1.rank0.start1.log").write_text(line(1007.5, "got lighthouse quorum LighthouseQuorumResponse")
                                                   + line(1009.25, commit) + line(1010.0, commit))
     (logs / "group1.rank1.start1.log").write_text("")
     (logs / "group1.rank0.start2.log").write_text(line(1015.0, "Start quorum for group_rank 0"))
@@ -140,3 +140,39 @@ def test_live_groups_of_two_ranks_read_every_rank_log_and_time_the_heal(tmp_path
     assert [(c["quorum_s"], c["heal_s"]) for c in counted] == [(7.5, 9.25), (None, None)]  # killed 2nd: never back
     (tmp_path / "faults.json").write_text(json.dumps(report))
     assert "| 9.25 / 9.25 (9.25-9.25) |" in table([str(tmp_path / "faults.json")])
+
+
+def test_a_restart_that_found_no_live_group_began_the_job_again(tmp_path):
+    """Group 0 killed at step 100 (10 s), restarted at 12 s; group 1 killed at 14 s before group 0 was back (the
+    step read is still group 0's 100); group 0's first quorum (15 s) has only itself at torchft step 0: the job
+    began again, and the kill at 14 s lost its 100 steps.  Group 1's restart (16 s) heals from it at step 3."""
+    logs = tmp_path / "faulted"
+    logs.mkdir()
+
+    def quorum(t, *steps):
+        members = ", ".join(f'QuorumMember {{ replica_id: "group{g}:x", step: {s}, world_size: 2 }}'
+                            for g, s in enumerate(steps))
+        return (f"1970-01-01T00:{int(t) // 60:02d}:{t % 60:06.3f} [INFO] [torchft::manager] - got lighthouse quorum "
+                f"LighthouseQuorumResponse {{ quorum: Some(Quorum {{ quorum_id: 9, participants: [{members}], "
+                f"created: Some(Timestamp {{ seconds: 1, nanos: 2 }}) }}) }}\n")
+
+    commit = "1970-01-01T00:{}:{} [INFO] [torchft::manager] - should_commit completed should_commit=true\n"
+    for g in (0, 1):
+        (logs / f"group{g}.rank0.start0.log").write_text(quorum(1001.0, 0, 0) + commit.format("16", "42.000"))
+        (logs / f"group{g}.rank1.start0.log").write_text("")
+    (logs / "group0.rank0.start1.log").write_text(quorum(1015.0, 0) + commit.format("16", "56.000"))
+    (logs / "group1.rank0.start2.log").write_text(quorum(1018.0, 3, 0) + commit.format("16", "59.500"))
+    for name in ("group0.rank1.start1.log", "group1.rank1.start2.log"):
+        (logs / name).write_text("")
+    faults = [fault(10.0, "kill", 0, 0, 100), fault(14.0, "kill", 1, 0, 100)]
+    failures = [{"group": 0, "at_s": 10.1, "step": 100}, {"group": 1, "at_s": 14.1, "step": 100}]
+    restarts = [{"group": g, "at_s": t, "at_unix": 1000.0 + t, "log": f"group{g}.rank0.start{n}.log",
+                 "logs": [f"group{g}.rank{r}.start{n}.log" for r in (0, 1)]}
+                for g, t, n in ((0, 12.0, 1), (1, 16.0, 2))]
+    record = {"faults": faults, "failures": failures, "restarts": restarts, "wall_s": 45.0, "summary": {},
+              "groups": [{"params_sha256": "a", "val_loss": 2.0}] * 2}
+    counted = count_faults({"argv": ["faults", "--", "--steps", "800"], "faulted": record}, logs)
+    assert [c["steps_lost"] for c in counted] == [0, 100], counted
+    # group 0's restart began the job again (no heal to time); group 1's healed: 2 s to its quorum, 3.5 s to commit
+    assert [c["began_again"] for c in counted] == [True, False], counted
+    assert [(c["quorum_s"], c["heal_s"]) for c in counted] == [(None, None), (2.0, 3.5)], counted

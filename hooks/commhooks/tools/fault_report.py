@@ -20,7 +20,9 @@ costs a restart but no step; one after the last step costs nothing.  How each is
 A live group's heal time: from its restart (the record's wall clock, ``at_unix``) to the first step its new
 incarnation committed (the timestamp of torchft's first ``should_commit=true`` line; torchft writes UTC, as this
 machine's clock): the process's start-up, the quorum, the heal's transfer and one step.  ``quorum_s``: to the
-first quorum it took (torchft's "Finished quorum"), the start-up alone.  Records without ``at_unix`` have none.
+first quorum it got (torchft's "got lighthouse quorum"), the start-up and the wait for the live group's next
+sync.  Records without ``at_unix`` have none.  A restart whose first quorum held no group past step 0 found no live
+group: it began the job again (steps lost, no heal to time).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ HIT, STARTING, ENDED = "hit training", "hit a start-up", "after the last step"
 KILL_KINDS = ("kill", "kill-node")  # noticed at once: a kill that hit an attempt is what ended it
 # torchft's manager logs this line each time a group commits a step (torchft 0.2.0)
 COMMITTED = re.compile(r"should_commit completed should_commit=true")
-QUORUM = re.compile(r"Finished quorum")
+QUORUM = re.compile(r"got lighthouse quorum")
+FIRST_QUORUM = re.compile(r"got lighthouse quorum .*participants: \[(.*)\]")  # every member, with its step
+MEMBER_STEP = re.compile(r"\bstep: (\d+)")
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d+) ")  # torchft's own lines begin with the UTC time
 
 
@@ -157,28 +161,71 @@ def restart_costs(record: dict, outcomes: List[str]) -> List[dict]:
     return costs
 
 
+def fresh_start(restart: dict, logs: Optional[Path]) -> Optional[float]:
+    """When a restarted group began the job again instead of healing: its first quorum had no member past torchft's
+    step 0 (no live group was left to heal from; a live one would have been in it: the Lighthouse waits for every
+    group that still beats).  The job second of that quorum, else None (it healed, never took a quorum, or the
+    record has no wall clock for the restart: ``at_unix``)."""
+    if logs is None or "at_unix" not in restart:
+        return None
+    for path in [logs / name for name in restart.get("logs", [restart["log"]])]:
+        for text in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            found, stamp = FIRST_QUORUM.search(text), STAMP.match(text)
+            if found is None or stamp is None:
+                continue
+            if any(int(step) > 0 for step in MEMBER_STEP.findall(found.group(1))):
+                return None
+            when = datetime.fromisoformat(stamp.group(1)).replace(tzinfo=timezone.utc).timestamp()
+            return round(restart["at_s"] + when - restart["at_unix"], 2)
+    return None
+
+
+def lost_failures(record: dict, readings: List[tuple], logs: Optional[Path]) -> Dict[int, int]:
+    """The failures that left no group alive, each with the job's step then (id -> steps lost).  Records with the
+    restarts' wall clock: the last failure before a restart began the job again (:func:`fresh_start`; not the last
+    start of a group stopped at the end: the others had finished).  Older records: the failure after which the
+    recorded step fell (blind to a fall the job had made up by the next reading).  The step is the furthest read
+    since the job last began: the progress file is group 0's rank 0's, behind the live group while group 0 is
+    down, so then it is a lower bound."""
+    ordered, lost, began = sorted(record["failures"], key=lambda x: x["at_s"]), {}, -1.0
+    timed = any("at_unix" in r for r in record["restarts"])
+    last = {r["group"]: r for r in record["restarts"]}  # each group's last start
+    fresh = sorted(t for r in record["restarts"] for t in [fresh_start(r, logs)]
+                   if t is not None and not (r["group"] in record.get("stopped_at_end", []) and last[r["group"]] is r))
+    for i, failure in enumerate(ordered):
+        nxt = ordered[i + 1]["at_s"] if i + 1 < len(ordered) else float("inf")
+        after = [step for t, step in readings if t > failure["at_s"]]
+        fell = failure.get("step") is not None and after and after[0] < failure["step"]
+        if any(failure["at_s"] <= t < nxt for t in fresh) if timed else fell:
+            lost[id(failure)] = max([step for t, step in readings if began < t <= failure["at_s"]] or [0])
+            began = failure["at_s"]
+    return lost
+
+
 def live_costs(record: dict, outcomes: List[str], logs: Optional[Path] = None) -> List[dict]:
-    """Live groups, per fault: the injector noticing the killed group's exit, and the job's steps lost.  The
-    job loses steps only when no group was left alive: with no checkpoints it began again at step 0, which the
-    record shows as the step falling after that failure; the failure just before the fall lost its step.  (The
-    killed group's own steps since the last sync are not recorded: averaging, not steps, pays for them.)"""
+    """Live groups, per fault: the injector noticing the killed group's exit, the job's steps lost, and the heal
+    of the restart that followed.  The job loses steps only when no group was left alive: with no checkpoints it
+    began again at step 0 (:func:`lost_failures`); a restart that began the job again did not heal (its times are
+    left out).  (The killed group's own steps since the last sync are not recorded: averaging, not steps, pays for
+    them.)"""
     readings = sorted([(f["injected_s"], f["step"]) for f in record["faults"] if f.get("step") is not None]
                       + [(x["at_s"], x["step"]) for x in record["failures"] if x.get("step") is not None])
+    lost = lost_failures(record, readings, logs)
     costs, claimed = [], set()  # a failure is put on one fault: the first that hit its group before it
     for fault, outcome in zip(record["faults"], outcomes):
         failure = next((x for x in sorted(record["failures"], key=lambda x: x["at_s"])
                         if x["group"] == fault["target"] and x["at_s"] >= fault["injected_s"]), None)
         if failure is None or outcome != HIT or id(failure) in claimed:
             costs.append({"caused_failure": False, "detect_s": None, "steps_lost": 0, "quorum_s": None,
-                          "heal_s": None})
+                          "heal_s": None, "began_again": False})
             continue
         claimed.add(id(failure))
-        after = [step for t, step in readings if t > failure["at_s"]]
-        fell = failure.get("step") is not None and after and after[0] < failure["step"]
         restart = next((r for r in record["restarts"]
                         if r["group"] == fault["target"] and r["at_s"] >= failure["at_s"]), None)
+        again = restart is not None and fresh_start(restart, logs) is not None
         costs.append({"caused_failure": True, "detect_s": round(failure["at_s"] - fault["injected_s"], 2),
-                      "steps_lost": failure["step"] if fell else 0, **heal_times(restart, logs)})
+                      "steps_lost": lost.get(id(failure), 0), "began_again": again,
+                      **({"quorum_s": None, "heal_s": None} if again else heal_times(restart, logs))})
     return costs
 
 

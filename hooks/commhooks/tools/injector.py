@@ -126,9 +126,12 @@ class Injector:
                        self.args.throttle_rate, "burst", "32kbit", "latency", "50ms")
             self.undo.append((now + fault.duration_s, "unthrottle", fault, attempt))
         self.record["faults"].append({**asdict(fault), "injected_s": round(now, 2)})
-        print(f"[faults] {now:7.1f}s  {fault.kind} {'node' if fault.kind in ('kill-node',) + LINK_KINDS else 'rank'} "
-              f"{fault.target}" + (f" for {fault.duration_s:g}s" if fault.duration_s else "")
-              + f" (step ~{fault.step})", flush=True)
+        print(f"[faults] {now:7.1f}s  {fault.kind} {self.target_name(fault)}"
+              + (f" for {fault.duration_s:g}s" if fault.duration_s else "") + f" (step ~{fault.step})", flush=True)
+
+    def target_name(self, fault: Fault) -> str:
+        """What a fault hit, in the log: ``rank 3``, ``node 1``."""
+        return f"{'node' if fault.kind in ('kill-node',) + LINK_KINDS else 'rank'} {fault.target}"
 
     def inject_due(self, pending: list, attempt, alive_only: bool = False) -> None:
         """One tick of the injection loop: the first fault due (in order, one per tick; with ``alive_only`` not

@@ -66,7 +66,9 @@ class LiveInjector(Injector):
         super().inject(fault, attempt)
         if self.size > 1:
             self.record["faults"][-1]["rank"] = self.victims[id(fault)]
-            print(f"[faults]           (group {fault.target}'s rank {self.victims[id(fault)]})", flush=True)
+
+    def target_name(self, fault: Fault) -> str:
+        return f"group {fault.target}" + (f" (its rank {self.victims[id(fault)]})" if self.size > 1 else "")
 
     def start_group(self, attempt: Attempt, g: int) -> None:
         port = free_port("127.0.0.1") if self.size > 1 else None  # fresh at each start: no dead start's keys
