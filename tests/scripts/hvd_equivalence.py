@@ -148,6 +148,15 @@ def fp16_mean():
     return t.float().tolist()
 
 
+def train(m, opt, steps: int) -> None:
+    """``steps`` steps of the script's loop: zero_grad, the step's batch, backward, step."""
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step)
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+
+
 def broadcast_optimizer_state_step():
     """Horovod's examples call hvd.broadcast_optimizer_state after building the optimizer: it steps once on zero
     gradients to create the state.  That is no training step: 6 training steps count 6, sync twice."""
@@ -157,11 +166,7 @@ def broadcast_optimizer_state_step():
                                                  named_parameters=m.named_parameters(),
                                                  hook={"type": "qsr", "h_base": 3, "total_steps": 6})
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    for step in range(6):
-        opt.zero_grad()
-        x, y = batch(step)
-        F.cross_entropy(m(x), y).backward()
-        opt.step()
+    train(m, opt, 6)
     state = opt.comm_hook_state
     return state.step, state.syncs, state.meter.calls()
 
@@ -187,11 +192,7 @@ def horovods_own_order():
             if broadcast:
                 hvd.broadcast_parameters(m.state_dict(), root_rank=0)
                 hvd.broadcast_optimizer_state(opt, root_rank=0)
-            for step in range(6):
-                opt.zero_grad()
-                x, y = batch(step)
-                F.cross_entropy(m(x), y).backward()
-                opt.step()
+            train(m, opt, 6)
             opt.comm_hook_state.finish()
         report = opt.comm_hook_state.report()
         out[name] = {"warned": [str(w.message) for w in caught if "weights" in str(w.message)
