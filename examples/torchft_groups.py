@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo
 
 import commhooks
@@ -61,11 +60,7 @@ args = p.parse_args()
 if "RANK" in os.environ:
     commhooks.launch.init_distributed()
 rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # the group's rank 0
-store = TCPStore(host, 0, is_master=True, wait_for_workers=False) if rank == 0 else None
-port = [store.port if store is not None else None]
-if size > 1:
-    dist.broadcast_object_list(port)
+store, host, port = commhooks.launch.fresh_store()  # hosted by the group's rank 0; host and port on every rank
 
 torch.manual_seed(100 + args.group)  # different starts per group on purpose: torchft's init_sync copies one group's
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
@@ -93,7 +88,7 @@ def digest() -> str:
 manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), load_state_dict=None, state_dict=None,
                   min_replica_size=1, use_async_quorum=False, timeout=timedelta(seconds=10),
                   quorum_timeout=timedelta(seconds=90), rank=rank, world_size=size, store_addr=host,
-                  store_port=port[0], lighthouse_addr=args.lighthouse, replica_id=f"group{args.group}")
+                  store_port=port, lighthouse_addr=args.lighthouse, replica_id=f"group{args.group}")
 ckpt = None if args.checkpoints is None else os.path.join(args.checkpoints, f"group{args.group}")  # a group's own
 live = commhooks.torchft.register(model, optimizer, CONFIG, manager, scheduler,  # joins; heals if behind
                                   checkpoint_dir=ckpt, checkpoint_every=50)

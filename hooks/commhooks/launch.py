@@ -346,6 +346,23 @@ def init_distributed(backend: Optional[str] = None, timeout: float = 300.0) -> d
     return dataclasses.asdict(p)
 
 
+def fresh_store():
+    """A TCPStore made new at this start of the job, for what must not outlive it (torchft's Managers of a replica
+    group find each other's address in one): ``(store, host, port)``, the store hosted by rank 0 (None on the other
+    ranks: keep it alive as long as the job), its host (``MASTER_ADDR``) and port on every rank, the port sent over
+    the default process group.  Without one, a store on 127.0.0.1 for this process alone.  Why not torchrun's own
+    store: its restarts reuse it, and a restarted rank could read a dead start's keys (the old Manager's address).
+    Collective where a process group is up."""
+    if not dist.is_initialized():
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        return store, "127.0.0.1", store.port
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if dist.get_rank() == 0 else None
+    port = [store.port if store is not None else None]
+    dist.broadcast_object_list(port)
+    return store, host, port[0]
+
+
 def shutdown() -> None:
     """Collect garbage, barrier, then destroy the group.
 

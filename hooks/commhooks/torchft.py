@@ -42,8 +42,8 @@ What happens:
 Tuning: the Manager's ``quorum_timeout`` must exceed the longest round (a joining group waits in ``register``
 for the others' next sync); the Lighthouse's ``heartbeat_timeout_ms`` is how soon a lost group is dropped (the
 survivors retry until then, within the config's ``timeout_s``).  A group's Managers find each other through a
-store: under ``torchrun --max-restarts`` give them one made new at each start (examples/torchft_groups.py), since
-torchrun's own store keeps a dead start's keys (the old Manager's address).  Not supported: algorithms that
+store: under ``torchrun --max-restarts`` give them one made new at each start (``commhooks.launch.fresh_store()``),
+since torchrun's own store keeps a dead start's keys (the old Manager's address).  Not supported: algorithms that
 average gradients every step (AB; QSR's ``group_size``: the groups are torchft's), the two-step exchange (an
 all-to-all; ``payload_exchange: "allgather"`` works).
 """

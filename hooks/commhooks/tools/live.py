@@ -30,55 +30,19 @@ def placement() -> tuple:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), 0, 1
 
 
-def start(device: str):
-    """Bring up this process of its group: (global rank, global world, mean over the group's ranks, finish).  A
-    group of several ranks first joins its own process group (:func:`commhooks.launch.init_distributed`)."""
-    import torch.distributed as dist
-
-    from ..launch import init_distributed, shutdown
-
-    group, groups, rank, size = placement()
-    if size == 1:
-        return group, groups, (lambda t: t), (lambda: None)
-    init_distributed(backend=None if device == "cuda" else "gloo")
-
-    def mean_over_group(t):
-        dist.all_reduce(t)
-        return t / size
-
-    return group * size + rank, groups * size, mean_over_group, shutdown
-
-
-def group_store():
-    """(the store for this group's Managers: hosted by its rank 0, None elsewhere; its host and port, on every
-    rank).  New at
-    each start of the group, so a restarted group never reads a dead start's keys (such as the old Manager's
-    address); the port goes over the group's process group."""
-    import torch.distributed as dist
-    from torch.distributed import TCPStore
-
-    if not dist.is_initialized():
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        return store, "127.0.0.1", store.port
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    store = TCPStore(host, 0, is_master=True, wait_for_workers=False) if dist.get_rank() == 0 else None
-    port = [store.port if store is not None else None]
-    dist.broadcast_object_list(port)
-    return store, host, port[0]
-
-
 def join(args, model, optimizer, scheduler, conf):
     """A torchft Manager for this rank of its group and the commhooks state over it
     (:class:`commhooks.torchft.LiveGroups`); ``model`` is DDP inside a group of several ranks."""
     from torchft import Manager, ProcessGroupGloo
 
     from .. import torchft as live_adapter
+    from ..launch import fresh_store
 
     if conf is None:
         raise ValueError("--backend torchft needs a commhooks config (--config): it makes the syncs live")
     if not args.lighthouse:
         raise ValueError("--backend torchft needs --lighthouse (or TORCHFT_LIGHTHOUSE): the Lighthouse's address")
-    store, host, port = group_store()
+    store, host, port = fresh_store()  # new at each start of the group: no dead start's keys
     group, _, rank, size = placement()
     timeout = timedelta(seconds=conf.timeout_s)
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,

@@ -343,7 +343,9 @@ def shard(model, conf, replica_group, new_optimizer):
 def start(args):
     """Bring up the backend's ranks: (rank, world, mean_over_ranks, finish)."""
     if args.backend == "torchft":  # no world: each group on its own (its own process group), its peers come and go
-        return live.start(args.device)
+        group, groups, rank_in_group, group_size = live.placement()
+        if group_size == 1:
+            return group, groups, (lambda t: t), (lambda: None)
     if args.backend == "horovod":
         from .. import horovod as hvd_adapter
 
@@ -358,6 +360,8 @@ def start(args):
         dist.all_reduce(t)
         return t / world
 
+    if args.backend == "torchft":  # a group of several ranks: its process group is the world here; the data shard
+        return group * group_size + rank_in_group, groups * group_size, mean_over_ranks, shutdown  # the global one
     return info["rank"], world, mean_over_ranks, shutdown
 
 
