@@ -2,6 +2,7 @@
 
 * ``train``: train with a hook; start it under a launcher (``torchrun ... -m commhooks.tools.train``).
 * ``bench``: every method side by side on a constrained network.
+* ``curves``: the quadratic rule against a fixed period, each swept into a curve of quality against syncs.
 * ``faults``: a training job with faults injected (kills, stalls, links down), restarted; what they cost.
 * ``table``: a markdown table of summaries written by ``train --json-out``.
 * ``schema``: the JSON schema of the ``comm_hook`` section, or the docs' key tables.
@@ -142,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="command")
     for name, text in (("train", "train with a hook (under a launcher); `commhooks train -h` for its options"),
                        ("bench", "run every method side by side; `commhooks bench -h` for its options"),
+                       ("curves", "the quadratic rule against a fixed period, quality against syncs; "
+                                  "`commhooks curves -h`"),
                        ("plan", "predict bytes and step time on a larger cluster; `commhooks plan -h`"),
                        ("faults", "a training job with faults injected and restarts; `commhooks faults -h`")):
         sub.add_parser(name, help=text, add_help=False)
@@ -168,6 +171,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .tools.bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["curves"]:
+        from .tools.curves import main as curves_main
+
+        return curves_main(argv[1:])
     if argv[:1] == ["faults"]:
         from .tools.faults import main as faults_main
 

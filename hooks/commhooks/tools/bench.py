@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..launch import free_port
 from ..shipped import shipped_configs
@@ -117,11 +117,14 @@ CONTROLS = ("qsr-nosync",)  # methods that measure a floor, never one to choose 
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
 
 
-def method_argv(name: str, model: str, engine: str = "ddp") -> List[str]:
+def method_argv(name: str, model: str, engine: str = "ddp", configs: Optional[Dict[str, str]] = None) -> List[str]:
     """The trainer's arguments for ``name``: a method's config ``configs/<x>_mnist1d.json`` becomes the
     workload's own ``configs/<x>_<suffix>.json`` where one exists (``--model gpt``: ``_gpt``).  ``engine``
     ``fsdp``: every method but PyTorch's own DDP hooks (compute-only among them) runs on FSDP2 sharded over a
-    node's ranks; ``ddp`` (no hook) is then FSDP2's own HSDP, an all-reduce across the nodes every step."""
+    node's ranks; ``ddp`` (no hook) is then FSDP2's own HSDP, an all-reduce across the nodes every step.
+    ``configs``: methods given as ``label=file.json`` (:func:`split_methods`), run from that file as it is."""
+    if configs and name in configs:
+        return ["--config", configs[name]] + (["--backend", engine] if engine != "ddp" else [])
     argv = list(METHODS[name])
     if engine != "ddp" and not (argv[:1] == ["--hook"] and argv[1] in ANCHORS):
         argv += ["--backend", engine]
@@ -147,6 +150,31 @@ def method_source(name: str, model: str = "cnn") -> Dict[str, object]:
         return {"config": own if Path(own).exists() or Path(own).stem in shipped_configs() else opts["--config"]}
     return {"hook": opts["--hook"], "powersgd_rank": int(opts.get("--powersgd-rank", 4)),
             "local_period": int(opts.get("--local-sgd-period", 8))}
+
+
+def split_methods(entries: Sequence[str]) -> Tuple[List[str], Dict[str, str]]:
+    """``--methods`` entries: a name from :data:`METHODS`, or ``label=path/to/config.json`` (a config of one's
+    own, e.g. one point of a sweep: ``commhooks curves`` writes them) -> (labels in order, label -> file).
+    Raises ValueError naming the entry that is neither."""
+    names, configs = [], {}
+    for entry in entries:
+        label, sep, path = entry.partition("=")
+        if not sep:
+            if entry not in METHODS:
+                raise ValueError(f"unknown method {entry!r}; choose from {', '.join(METHODS)}, or give "
+                                 "label=path/to/config.json")
+            names.append(entry)
+            continue
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", label) or label in METHODS:
+            raise ValueError(f"method label {label!r} (in {entry!r}) must be letters, digits, '_', '.', '+' or '-' "
+                             "and not a built-in method's name")
+        if not path.endswith(".json") or not Path(path).is_file():
+            raise ValueError(f"method {label!r}: {path!r} is not a JSON config file")
+        names.append(label)
+        configs[label] = path
+    if len(set(names)) != len(names):
+        raise ValueError(f"--methods lists a method twice: {names}")
+    return names, configs
 
 
 class LabError(RuntimeError):
@@ -296,7 +324,8 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
     order = timing.bracketed_order(methods, repeats)  # repeats interleaved, each method between two floor runs
     label = {(name, k): name if k == 0 else f"{name}#{k}" for name, k in order}
     runs_of = {name: [label[(n, k)] for n, k in sorted(o for o in order if o[0] == name)] for name in methods}
-    spec = {label[(name, k)]: method_argv(name, args.model, getattr(args, "engine", "ddp")) + common +
+    configs = getattr(args, "method_configs", {})
+    spec = {label[(name, k)]: method_argv(name, args.model, getattr(args, "engine", "ddp"), configs) + common +
             ["--label", name, "--json-out", str(out / f"{label[(name, k)]}.rank{{rank}}.json")] for name, k in order}
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
@@ -631,12 +660,13 @@ def plots(results: dict, out: Path) -> List[str]:
     return draw(results, out, metric=quality_metric(results), x_of=lambda m: compared_bytes(results, m),
                 x_label=bytes_label(results), heading=title(results),
                 link=f"link per {'node' if across_nodes(results) else 'rank'} ({results['setup']['network']})",
-                ours={n for n, a in METHODS.items() if "--config" in a})
+                ours={n for n in results["methods"] if n not in METHODS or "--config" in METHODS[n]})
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="commhooks bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from: {', '.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma list from: {', '.join(METHODS)}; or label=path/to/config.json (a config of one's own)")
     p.add_argument("--engine", choices=("ddp", "fsdp"), default="ddp",
                    help="fsdp: FSDP2 shards the model over each node's ranks; the method syncs across nodes, and "
                         "ddp is FSDP2's own HSDP (PyTorch's own hooks, compute-only among them, stay on DDP)")
@@ -690,10 +720,10 @@ def parse_args(argv=None):
         args.time_steps = args.steps
     elif not 10 <= args.time_steps <= args.steps:
         p.error(f"--time-steps must be from 10 to --steps ({args.steps}), got {args.time_steps}")
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown:
-        p.error(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    try:
+        args.methods, args.method_configs = split_methods([m.strip() for m in args.methods.split(",") if m.strip()])
+    except ValueError as exc:
+        p.error(f"--methods: {exc}")
     args.bandwidths = [b.strip() for b in args.bandwidths.split(",") if b.strip()]
     try:
         args.seeds = [args.seed] if args.seeds is None else [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -769,6 +799,7 @@ def _run(args, out: Path) -> int:
         results = {"setup": {"ranks": args.ranks, "nodes": lab.nodes if lab else args.nodes, "steps": args.steps,
                              "time_steps": args.time_steps, "model": args.model, "engine": args.engine,
                              "seed": args.seed, "seeds": args.seeds, "search_seeds": args.search_seeds,
+                             "method_configs": args.method_configs,
                              "repeats": args.repeats, "target": args.target, "pairing": "bracketed" if timing.bracketed(args.methods, args.repeats) else "rounds",
                              "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
                              "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), **provenance.commit(),

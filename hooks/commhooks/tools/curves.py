@@ -1,0 +1,298 @@
+"""``commhooks curves``: the quadratic rule against a fixed period, as curves of quality against syncs.
+
+    commhooks curves --variant fp32=configs/qsr_mnist1d.json --periods 2,4,8,16,32,64 \\
+        --alphas 0.004,0.006,0.01,0.015,0.025 --h-base 2 --seeds 0,1,2,3,4,5,6,7,8,9 --out results/curves-mnist1d
+
+QSR's paper (arXiv 2310.14423) claims that H = max(H_base, floor((alpha/lr)^2)) beats local SGD with a fixed
+period.  Two methods that sync a different number of times cannot be compared by one row each: more syncs buy
+quality.  So each family is swept into a curve, the rule over ``--alphas`` (``--h-base`` fixed) and the fixed
+period over ``--periods`` (the same config with ``alpha = 0``, ``h_base = H``), every point with the same
+warm-up, learning-rate schedule, data and seeds, and the rule is compared with the fixed period *at its own
+number of syncs*.
+
+How the comparison is made: per seed, the fixed period's quality is interpolated (linearly in log syncs, between
+the two periods around the rule's count) and subtracted from the rule's quality on that seed; the mean of those
+paired differences over the seeds, with its 95 % Student-t interval, says whether the rule's curve lies
+**above** (better: higher accuracy, lower loss), **on** (the interval holds 0) or **below** the fixed period's
+there.  Pairing by seed removes what a seed does to both (its data order and initial weights), which is most of
+the spread.  A rule point outside the periods' range of syncs is not compared (no extrapolation): sweep the
+periods wide enough.
+
+Each ``--variant label=config.json`` is a base config whose other keys (payload, outer step, hierarchy, what is
+averaged) every point of both families keeps, so "plain averaging in fp32" and "the best payload and outer
+step" are two variants of one run.  The points run through ``commhooks bench`` (quality runs on an unlimited
+loopback link, one full run per seed, every method of a seed in one process group); ``--reference ddp`` adds
+DDP as the dotted line it is measured against.  The time of a run is not a figure here.
+
+Tuning advice: 8 seeds or more on MNIST-1D (one seed moves accuracy by up to 0.7 points); choose ``--periods``
+and ``--alphas`` so the rule's counts of syncs fall inside the periods' (the rule syncs at most as often as
+``--h-base``); at ``alpha ~ peak_lr * sqrt(h_base)`` the rule takes over at the peak learning rate.
+
+Output in ``--out``: ``configs/`` (one file per point), ``runs/`` (the bench's run: ``results.json`` per seed and
+method), ``curves.json`` (points, per-seed values, comparisons), ``curves.md`` and ``curves.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import bench
+from .workloads import WORKLOADS
+
+# two-sided 95 % quantiles of Student's t, by degrees of freedom (1-30); above 30, 1.96 is within 4 %
+T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t_interval(values: Sequence[float]) -> Tuple[float, Optional[float], Optional[float]]:
+    """(mean, low, high): the mean and its 95 % Student-t interval (None, None with fewer than 2 values)."""
+    m = statistics.fmean(values)
+    if len(values) < 2:
+        return m, None, None
+    half = (T975[len(values) - 2] if len(values) <= 31 else 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    return m, m - half, m + half
+
+
+def point_configs(base: dict, periods: Sequence[int], alphas: Sequence[float], h_base: int) -> Dict[str, dict]:
+    """One config per point: ``fixed-h<H>`` (``alpha 0, h_base H``) and ``rule-a<alpha>`` (``h_base`` and
+    ``alpha``), every other key of ``base`` kept (warm-up, payload, outer step, what is averaged)."""
+    if base.get("type") != "qsr":
+        raise ValueError(f"a variant's config must have \"type\": \"qsr\" (the rule and the fixed period are both "
+                         f"QSR's), got type {base.get('type')!r}")
+    points = {f"fixed-h{h}": {**base, "alpha": 0.0, "h_base": int(h)} for h in periods}
+    points.update({f"rule-a{a:g}": {**base, "alpha": float(a), "h_base": int(h_base)} for a in alphas})
+    return points
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> Optional[float]:
+    """``ys`` at ``x``, linear in log x between the two points around it (``xs`` ascending); None outside."""
+    if not xs or x < xs[0] or x > xs[-1]:
+        return None
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x0 <= x <= x1:
+            if x1 == x0:
+                return (y0 + y1) / 2
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    return ys[-1] if x == xs[-1] else None
+
+
+def analyse(results: dict, variants: Dict[str, dict], reference: Optional[str]) -> dict:
+    """Points, and each rule point against the fixed period at its syncs (see the module docstring)."""
+    metric = WORKLOADS[results["setup"]["model"]].metric
+    sign = -1.0 if metric == "val_loss" else 1.0  # a difference > 0 is the rule doing better
+    seeds = [str(s) for s in results["setup"]["seeds"]]
+    out: dict = {"metric": metric, "better": "lower" if sign < 0 else "higher", "seeds": seeds, "variants": {}}
+    for variant, point_names in variants.items():
+        points = {}
+        for family in ("fixed", "rule"):
+            for name in point_names[family]:
+                m = results["methods"][name]
+                values = [m["quality_by_seed"][s] for s in seeds]
+                mean, lo, hi = t_interval(values)
+                points[name] = {"family": family, "param": point_names["param"][name], "syncs": m["syncs"],
+                                "bytes_per_rank": m["payload_bytes_per_rank"], "by_seed": values, "mean": mean,
+                                "lo": lo, "hi": hi}
+        fixed = sorted((p for p in points.values() if p["family"] == "fixed"), key=lambda p: p["syncs"])
+        compared = {}
+        for name in point_names["rule"]:
+            p = points[name]
+            diffs = []
+            for i in range(len(seeds)):
+                y = interpolate([f["syncs"] for f in fixed], [f["by_seed"][i] for f in fixed], p["syncs"])
+                if y is None:
+                    break
+                diffs.append(sign * (p["by_seed"][i] - y))
+            if len(diffs) != len(seeds):
+                compared[name] = {"syncs": p["syncs"], "verdict": "outside the periods' range"}
+                continue
+            mean, lo, hi = t_interval(diffs)
+            verdict = "on" if lo is None or lo <= 0 <= hi else ("above" if lo > 0 else "below")
+            compared[name] = {"syncs": p["syncs"], "diffs": diffs, "mean": mean, "lo": lo, "hi": hi,
+                              "verdict": verdict}
+        out["variants"][variant] = {"points": points, "rule_vs_fixed": compared}
+    if reference:
+        m = results["methods"][reference]
+        values = [m["quality_by_seed"][s] for s in seeds]
+        mean, lo, hi = t_interval(values)
+        out["reference"] = {"name": reference, "by_seed": values, "mean": mean, "lo": lo, "hi": hi,
+                            "syncs": m.get("syncs"), "bytes_per_rank": m["payload_bytes_per_rank"]}
+    return out
+
+
+def fmt(x: Optional[float], metric: str) -> str:
+    return "-" if x is None else (f"{x:.4f}" if metric == "val_loss" else f"{100 * x:.2f}")
+
+
+def table(curves: dict, setup: dict) -> str:
+    """Markdown: per variant the points (mean and 95 % interval over seeds) and the rule against the period."""
+    metric = curves["metric"]
+    unit = "val loss" if metric == "val_loss" else "test acc (%)"
+    n = len(curves["seeds"])
+    lines = [f"# The rule against a fixed period: {setup['model']}, {setup['ranks']} ranks, {setup['steps']} steps, "
+             f"{n} seeds ({setup['date']}, commit {setup.get('commit', '?')[:7]}"
+             f"{' with uncommitted changes' if setup.get('dirty') else ''})", ""]
+    if "reference" in curves:
+        r = curves["reference"]
+        lines += [f"Reference {r['name']}: {unit} {fmt(r['mean'], metric)} [{fmt(r['lo'], metric)}-"
+                  f"{fmt(r['hi'], metric)}] (mean of {n} seeds, 95 % t interval).", ""]
+    for variant, v in curves["variants"].items():
+        lines += [f"## {variant}", "", f"| point | syncs | MB sent per rank | {unit}, mean [95 % interval] |",
+                  "|---|---|---|---|"]
+        for name, p in sorted(v["points"].items(), key=lambda kv: (kv[1]["family"], -kv[1]["syncs"])):
+            lines.append(f"| {name} | {p['syncs']} | {p['bytes_per_rank'] / 1e6:.2f} | {fmt(p['mean'], metric)} "
+                         f"[{fmt(p['lo'], metric)}-{fmt(p['hi'], metric)}] |")
+        scale = 1.0 if metric == "val_loss" else 100.0
+        lines += ["", "| rule point | syncs | rule minus fixed period at equal syncs (+ = rule better), "
+                  "mean [95 % interval] | verdict |", "|---|---|---|---|"]
+        for name, c in v["rule_vs_fixed"].items():
+            if "mean" not in c:
+                lines.append(f"| {name} | {c['syncs']} | - | {c['verdict']} |")
+                continue
+            lines.append(f"| {name} | {c['syncs']} | {scale * c['mean']:+.4f} [{scale * c['lo']:+.4f} to "
+                         f"{scale * c['hi']:+.4f}] | {c['verdict']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def draw(curves: dict, setup: dict, path: Path) -> None:
+    """One panel per variant: quality against syncs (log), each family a line with 95 % t bars, DDP dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = curves["metric"]
+    scale = 1.0 if metric == "val_loss" else 100.0
+    variants = list(curves["variants"])
+    fig, axes = plt.subplots(1, len(variants), figsize=(5.2 * len(variants), 4.2), squeeze=False, sharey=True)
+    for ax, variant in zip(axes[0], variants):
+        pts = curves["variants"][variant]["points"]
+        for family, colour, marker in (("fixed", "#1f77b4", "o"), ("rule", "#d62728", "s")):
+            ps = sorted((p for p in pts.values() if p["family"] == family), key=lambda p: p["syncs"])
+            xs = [p["syncs"] for p in ps]
+            ys = [scale * p["mean"] for p in ps]
+            err = None if ps[0]["lo"] is None else [[scale * (p["mean"] - p["lo"]) for p in ps],
+                                                    [scale * (p["hi"] - p["mean"]) for p in ps]]
+            label = ("fixed period H (labels)" if family == "fixed" else
+                     f"rule, h_base {ps[0]['param']['h_base']} (labels: alpha)")
+            ax.errorbar(xs, ys, yerr=err, color=colour, marker=marker, capsize=3, label=label)
+            for p, x, y in zip(ps, xs, ys):
+                text = f"{p['param']['h_base']}" if family == "fixed" else f"{p['param']['alpha']:g}"
+                ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, -10 if family == "rule" else 5),
+                            fontsize=7, color=colour)
+        if "reference" in curves:
+            r = curves["reference"]
+            ax.axhline(scale * r["mean"], color="black", linestyle=":", label=f"{r['name']} (every step)")
+        ax.set_xscale("log")
+        ax.set_xlabel("syncs in the run")
+        ax.set_title(variant, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel(("validation loss" if metric == "val_loss" else "test accuracy (%)")
+                          + f", mean of {len(curves['seeds'])} seeds, 95 % t bars")
+    fig.suptitle(f"The rule against a fixed period: {setup['model']}, {setup['ranks']} ranks, {setup['steps']} "
+                 f"steps ({setup['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+
+
+def parse_seeds(text: str) -> List[int]:
+    """``0,1,2`` or ``0-9``."""
+    if "-" in text and "," not in text:
+        a, b = text.split("-")
+        return list(range(int(a), int(b) + 1))
+    return [int(s) for s in text.split(",") if s.strip()]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="commhooks curves", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", action="append", required=False, default=[], metavar="LABEL=CONFIG.json",
+                   help="a base QSR config; every point keeps its other keys (repeat for several variants)")
+    p.add_argument("--periods", default="2,4,8,16,32", help="the fixed period's H values")
+    p.add_argument("--alphas", default="0.004,0.006,0.01,0.015", help="the rule's alpha values")
+    p.add_argument("--h-base", type=int, default=2, help="the rule's h_base (the fewest steps between syncs)")
+    p.add_argument("--reference", default="ddp", help="a bench method drawn as the dotted line ('none': none)")
+    p.add_argument("--model", choices=tuple(WORKLOADS), default="cnn")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--seeds", default="0-7", help="comma list or a range a-b")
+    p.add_argument("--out", required=False)
+    p.add_argument("--replot", metavar="DIR", help="only redo curves.json/md/png from DIR's recorded runs")
+    args = p.parse_args(argv)
+    if args.replot:
+        return args
+    if not args.out or not args.variant:
+        p.error("--out and at least one --variant LABEL=CONFIG.json are needed (or --replot DIR)")
+    try:
+        args.periods = [int(x) for x in args.periods.split(",") if x.strip()]
+        args.alphas = [float(x) for x in args.alphas.split(",") if x.strip()]
+        args.seeds = parse_seeds(args.seeds)
+    except ValueError as exc:
+        p.error(f"--periods, --alphas and --seeds are comma lists of numbers: {exc}")
+    if len(args.periods) < 2 or min(args.periods) < 1 or args.h_base < 1 or not args.alphas or min(args.alphas) <= 0:
+        p.error("--periods needs at least two H >= 1, --alphas at least one alpha > 0, --h-base >= 1")
+    variants = {}
+    for entry in args.variant:
+        label, sep, path = entry.partition("=")
+        if not sep or not Path(path).is_file():
+            p.error(f"--variant {entry!r}: expected LABEL=path/to/config.json with an existing file")
+        variants[label] = json.loads(Path(path).read_text())
+    args.variant = variants
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.replot or args.out)
+    if args.replot:
+        plan = json.loads((out / "plan.json").read_text())
+    else:
+        (out / "configs").mkdir(parents=True, exist_ok=True)
+        plan = {"variants": {}, "reference": None if args.reference == "none" else args.reference}
+        methods = [] if plan["reference"] is None else [plan["reference"]]
+        for variant, base in args.variant.items():
+            try:
+                points = point_configs(base, args.periods, args.alphas, args.h_base)
+            except ValueError as exc:
+                raise SystemExit(f"commhooks curves: --variant {variant}: {exc}")
+            names = {"fixed": [], "rule": [], "param": {}}
+            for point, config in points.items():
+                label = f"{variant}.{point}"
+                path = out / "configs" / f"{label}.json"
+                path.write_text(json.dumps(config, indent=2) + "\n")
+                methods.append(f"{label}={path}")
+                names[point.split("-")[0]].append(label)
+                names["param"][label] = {"h_base": config["h_base"], "alpha": config["alpha"]}
+            plan["variants"][variant] = names
+        (out / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+        bench_argv = ["--model", args.model, "--ranks", str(args.ranks), "--seeds", ",".join(map(str, args.seeds)),
+                      "--bandwidths", "unlimited", "--repeats", "1", "--netns", "off", "--methods", ",".join(methods),
+                      "--out", str(out / "runs")]
+        bench_argv += ["--nodes", str(args.nodes)] if args.nodes else []
+        bench_argv += ["--steps", str(args.steps)] if args.steps else []
+        code = bench.main(bench_argv)
+        if code:
+            return code
+    results = json.loads((out / "runs" / "results.json").read_text())
+    curves = analyse(results, plan["variants"], plan["reference"])
+    curves["setup"] = results["setup"]
+    (out / "curves.json").write_text(json.dumps(curves, indent=2) + "\n")
+    md = table(curves, results["setup"])
+    (out / "curves.md").write_text(md + "\n")
+    draw(curves, results["setup"], out / "curves.png")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
