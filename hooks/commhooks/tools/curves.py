@@ -59,14 +59,17 @@ def t_interval(values: Sequence[float]) -> Tuple[float, Optional[float], Optiona
     return m, m - half, m + half
 
 
-def point_configs(base: dict, periods: Sequence[int], alphas: Sequence[float], h_base: int) -> Dict[str, dict]:
+def point_configs(base: dict, periods: Sequence[int], alphas: Sequence[float], h_bases: Sequence[int]) -> Dict[str, dict]:
     """One config per point: ``fixed-h<H>`` (``alpha 0, h_base H``) and ``rule-a<alpha>`` (``h_base`` and
-    ``alpha``), every other key of ``base`` kept (warm-up, payload, outer step, what is averaged)."""
+    ``alpha``; ``rule-h<h_base>-a<alpha>`` with several ``h_bases``), every other key of ``base`` kept (warm-up,
+    payload, outer step, what is averaged)."""
     if base.get("type") != "qsr":
         raise ValueError(f"a variant's config must have \"type\": \"qsr\" (the rule and the fixed period are both "
                          f"QSR's), got type {base.get('type')!r}")
     points = {f"fixed-h{h}": {**base, "alpha": 0.0, "h_base": int(h)} for h in periods}
-    points.update({f"rule-a{a:g}": {**base, "alpha": float(a), "h_base": int(h_base)} for a in alphas})
+    for hb in h_bases:
+        tag = f"rule-h{hb}-" if len(h_bases) > 1 else "rule-"
+        points.update({f"{tag}a{a:g}": {**base, "alpha": float(a), "h_base": int(hb)} for a in alphas})
     return points
 
 
@@ -174,8 +177,13 @@ def draw(curves: dict, setup: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(variants), figsize=(5.2 * len(variants), 4.2), squeeze=False, sharey=True)
     for ax, variant in zip(axes[0], variants):
         pts = curves["variants"][variant]["points"]
-        for family, colour, marker in (("fixed", "#1f77b4", "o"), ("rule", "#d62728", "s")):
-            ps = sorted((p for p in pts.values() if p["family"] == family), key=lambda p: p["syncs"])
+        lines = [("fixed", None, "#1f77b4", "o")] + [
+            ("rule", hb, colour, "s") for hb, colour in zip(sorted({p["param"]["h_base"] for p in pts.values()
+                                                                  if p["family"] == "rule"}),
+                                                          ("#d62728", "#ff7f0e", "#2ca02c", "#9467bd"))]
+        for family, hb, colour, marker in lines:
+            ps = sorted((p for p in pts.values() if p["family"] == family and hb in (None, p["param"]["h_base"])),
+                        key=lambda p: p["syncs"])
             xs = [p["syncs"] for p in ps]
             ys = [scale * p["mean"] for p in ps]
             err = None if ps[0]["lo"] is None else [[scale * (p["mean"] - p["lo"]) for p in ps],
@@ -219,7 +227,8 @@ def parse_args(argv=None):
                    help="a base QSR config; every point keeps its other keys (repeat for several variants)")
     p.add_argument("--periods", default="2,4,8,16,32", help="the fixed period's H values")
     p.add_argument("--alphas", default="0.004,0.006,0.01,0.015", help="the rule's alpha values")
-    p.add_argument("--h-base", type=int, default=2, help="the rule's h_base (the fewest steps between syncs)")
+    p.add_argument("--h-base", default="2",
+                   help="the rule's h_base (the fewest steps between syncs); a comma list sweeps alpha at each")
     p.add_argument("--reference", default="ddp", help="a bench method drawn as the dotted line ('none': none)")
     p.add_argument("--model", choices=tuple(WORKLOADS), default="cnn")
     p.add_argument("--ranks", type=int, default=2)
@@ -237,9 +246,11 @@ def parse_args(argv=None):
         args.periods = [int(x) for x in args.periods.split(",") if x.strip()]
         args.alphas = [float(x) for x in args.alphas.split(",") if x.strip()]
         args.seeds = parse_seeds(args.seeds)
+        args.h_base = [int(x) for x in args.h_base.split(",") if x.strip()]
     except ValueError as exc:
-        p.error(f"--periods, --alphas and --seeds are comma lists of numbers: {exc}")
-    if len(args.periods) < 2 or min(args.periods) < 1 or args.h_base < 1 or not args.alphas or min(args.alphas) <= 0:
+        p.error(f"--periods, --alphas, --h-base and --seeds are comma lists of numbers: {exc}")
+    if len(args.periods) < 2 or min(args.periods) < 1 or not args.h_base or min(args.h_base) < 1 or not args.alphas \
+            or min(args.alphas) <= 0:
         p.error("--periods needs at least two H >= 1, --alphas at least one alpha > 0, --h-base >= 1")
     variants = {}
     for entry in args.variant:
