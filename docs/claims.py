@@ -14,12 +14,17 @@ figure beside a 1000-step table).  So the figures of the measured sections are d
 * The measured sections sit between ``<!-- claims -->`` and ``<!-- /claims -->``.  Every figure there (a number
   with a decimal point, a ratio ``1.05x``, a percentage, a time or a size) must be a claim's figure on that line,
   or part of the set-up (``4 ranks``, ``100 Mbit/s``, ``1000 steps``, dates, paths): an unsourced figure fails.
+* A table the results file generates is one ``[[table]]`` entry rather than a claim per cell: ``rows`` names the
+  function that writes its rows (``module:function``, called with the parsed ``source`` and the entry's ``args``),
+  and each row it gives must stand, exactly, on one line of the file's claims sections; the figures on those
+  lines are then sourced.  The docs quote the tool's own rows, so no cell is copied by hand.
 * A budget is not a measurement: it is worded as one ("a budget of 8 minutes") and stays outside the sections.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 import sys
@@ -63,6 +68,22 @@ def load() -> List[dict]:
         files = c["file"] if isinstance(c["file"], list) else [c["file"]]
         claims += [dict(c, file=f) for f in files]
     return claims
+
+
+def load_tables() -> List[dict]:
+    """The ``[[table]]`` entries, one per file (``file`` may list several)."""
+    tables = []
+    for t in tomllib.loads(TABLE.read_text()).get("table", []):
+        files = t["file"] if isinstance(t["file"], list) else [t["file"]]
+        tables += [dict(t, file=f) for f in files]
+    return tables
+
+
+def table_rows(entry: dict) -> List[str]:
+    """The rows a ``[[table]]`` entry's function writes from its source today."""
+    module, _, name = entry["rows"].partition(":")
+    rows = getattr(importlib.import_module(module), name)
+    return [r.strip() for r in rows(json.loads((REPO / entry["source"]).read_text()), **entry.get("args", {}))]
 
 
 def _names(path: str, suffix: str = "") -> Dict[str, object]:
@@ -109,10 +130,20 @@ def figures(line: str) -> List[str]:
     return [m.group(0).strip() for m in FIGURE.finditer(line)]
 
 
-def check(root: Path = REPO, claims: List[dict] = None) -> List[str]:
-    """Every problem: a figure that differs from its source, a claim whose line is gone, a figure with no claim."""
+def check(root: Path = REPO, claims: List[dict] = None, tables: List[dict] = None) -> List[str]:
+    """Every problem: a figure that differs from its source, a claim whose line is gone, a figure with no claim,
+    a generated table's row missing or changed."""
     claims = load() if claims is None else claims
-    problems, by_file = [], {}
+    tables = load_tables() if tables is None else tables
+    problems, by_file, generated = [], {}, {}
+    for t in tables:
+        lines = [line.strip() for _, line, _ in sections(root / t["file"])]
+        for row in table_rows(t):
+            generated.setdefault(t["file"], set()).add(row)
+            if lines.count(row) != 1:
+                problems.append(f"{t['file']}: a row of the table {t['rows']} writes from {t['source']} is on "
+                                f"{lines.count(row)} lines of the claims sections (need exactly 1; changed or "
+                                f"missing?): {row[:120]}")
     for c in claims:
         by_file.setdefault(c["file"], []).append(c)
     for name, file_claims in by_file.items():
@@ -137,6 +168,8 @@ def check(root: Path = REPO, claims: List[dict] = None) -> List[str]:
         for c in by_file.get(name, []):
             claimed.setdefault(c["line"], []).append(c["figure"])
         for n, line, _ in sections(root / name):
+            if line.strip() in generated.get(name, ()):
+                continue  # a row its results file writes: every figure on it is sourced
             # the figures the line's claims state, each read as the scan reads the line (an interval: three)
             stated = {g for phrase, figs in claimed.items() if phrase in line for f in figs for g in figures(f)}
             stated |= {g.lstrip("+-") for g in stated}
@@ -157,6 +190,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 on any problem")
     args = p.parse_args(argv)
+    for t in load_tables():
+        print(f"table   {t['file']}: {len(table_rows(t))} rows <- {t['rows']}({t['source']})")
     for c in load():
         want = value(c)
         print(f"{'ok     ' if want == c['figure'] else 'DIFFERS'} {c['file']}: {c['figure']!r} <- {want!r}  "

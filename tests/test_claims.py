@@ -64,3 +64,20 @@ def test_a_ratio_across_two_runs_must_say_so(tmp_path):
     readme.write_text(readme.read_text().replace("divide two runs", "come from two files"))
     problems = claims.check(tmp_path)
     assert problems and all("divides figures of two runs" in p for p in problems), problems
+
+
+def test_a_generated_table_is_sourced_row_by_row_and_a_changed_cell_fails(tmp_path):
+    """A ``[[table]]`` entry: the rows a function writes from the results file must stand in the claims section
+    exactly; their figures need no claim each, and a cell edited by hand (or left behind by a rerun) fails."""
+    _copy_prose(tmp_path)
+    entry = {"file": "docs/pages/extra.md", "source": "results/curves-mnist1d-2026-12-07/curves.json",
+             "rows": "commhooks.tools.curves:verdict_rows", "args": {"variant": "fp32"}}
+    rows = claims.table_rows(entry)
+    page = tmp_path / "docs" / "pages" / "extra.md"
+    page.write_text("\n".join(["<!-- claims -->", "| rule point | syncs | there | difference | verdict |",
+                               "|---|---|---|---|---|", *rows, "<!-- /claims -->", ""]))
+    assert len(rows) == 6 and claims.check(tmp_path, tables=claims.load_tables() + [entry]) == []
+    page.write_text(page.read_text().replace(rows[0], rows[0].replace(" | on |", " | above |").replace("+0.15", "+0.25")))
+    problems = claims.check(tmp_path, tables=claims.load_tables() + [entry])
+    assert any("is on 0 lines" in p and rows[0][:40] in p for p in problems), problems
+    assert any("'+0.25' has no claim" in p for p in problems), problems

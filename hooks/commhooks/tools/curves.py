@@ -133,10 +133,43 @@ def fmt(x: Optional[float], metric: str) -> str:
     return "-" if x is None else (f"{x:.4f}" if metric == "val_loss" else f"{100 * x:.2f}")
 
 
+def point_rows(curves: dict, variant: str) -> List[str]:
+    """A variant's points as markdown rows (fixed periods, then the rule, most syncs first): name, syncs, MB sent
+    per rank, quality mean [95 % t interval].  The docs quote these rows (docs/claims.toml ``[[table]]``)."""
+    metric = curves["metric"]
+    points = curves["variants"][variant]["points"]
+    return [f"| {name} | {p['syncs']} | {p['bytes_per_rank'] / 1e6:.2f} | {fmt(p['mean'], metric)} "
+            f"[{fmt(p['lo'], metric)}-{fmt(p['hi'], metric)}] |"
+            for name, p in sorted(points.items(), key=lambda kv: (kv[1]["family"], kv[1]["param"]["h_base"]
+                                                                  if kv[1]["family"] == "rule" else 0, -kv[1]["syncs"]))]
+
+
+def verdict_rows(curves: dict, variant: str) -> List[str]:
+    """Each rule point against the fixed period at its syncs, as markdown rows: name, syncs, the fixed period's
+    interpolated quality there (mean of seeds), the paired difference (+ = the rule better; accuracy in points,
+    loss as is) with its 95 % t interval, the verdict."""
+    metric = curves["metric"]
+    scale = 1.0 if metric == "val_loss" else 100.0
+    rows = []
+    for name, c in curves["variants"][variant]["rule_vs_fixed"].items():
+        if "mean" not in c:
+            rows.append(f"| {name} | {c['syncs']} | - | - | {c['verdict']} |")
+            continue
+        rule = curves["variants"][variant]["points"][name]["mean"]
+        fixed_there = rule - (c["mean"] if metric != "val_loss" else -c["mean"])
+        rows.append(f"| {name} | {c['syncs']} | {fmt(fixed_there, metric)} | {scale * c['mean']:+.2f} "
+                    f"[{scale * c['lo']:+.2f} to {scale * c['hi']:+.2f}] | {c['verdict']} |"
+                    if metric != "val_loss" else
+                    f"| {name} | {c['syncs']} | {fmt(fixed_there, metric)} | {c['mean']:+.4f} "
+                    f"[{c['lo']:+.4f} to {c['hi']:+.4f}] | {c['verdict']} |")
+    return rows
+
+
 def table(curves: dict, setup: dict) -> str:
     """Markdown: per variant the points (mean and 95 % interval over seeds) and the rule against the period."""
     metric = curves["metric"]
     unit = "val loss" if metric == "val_loss" else "test acc (%)"
+    diff = "loss" if metric == "val_loss" else "points"
     n = len(curves["seeds"])
     lines = [f"# The rule against a fixed period: {setup['model']}, {setup['ranks']} ranks, {setup['steps']} steps, "
              f"{n} seeds ({setup['date']}, commit {setup.get('commit', '?')[:7]}"
@@ -145,22 +178,12 @@ def table(curves: dict, setup: dict) -> str:
         r = curves["reference"]
         lines += [f"Reference {r['name']}: {unit} {fmt(r['mean'], metric)} [{fmt(r['lo'], metric)}-"
                   f"{fmt(r['hi'], metric)}] (mean of {n} seeds, 95 % t interval).", ""]
-    for variant, v in curves["variants"].items():
+    for variant in curves["variants"]:
         lines += [f"## {variant}", "", f"| point | syncs | MB sent per rank | {unit}, mean [95 % interval] |",
-                  "|---|---|---|---|"]
-        for name, p in sorted(v["points"].items(), key=lambda kv: (kv[1]["family"], -kv[1]["syncs"])):
-            lines.append(f"| {name} | {p['syncs']} | {p['bytes_per_rank'] / 1e6:.2f} | {fmt(p['mean'], metric)} "
-                         f"[{fmt(p['lo'], metric)}-{fmt(p['hi'], metric)}] |")
-        scale = 1.0 if metric == "val_loss" else 100.0
-        lines += ["", "| rule point | syncs | rule minus fixed period at equal syncs (+ = rule better), "
-                  "mean [95 % interval] | verdict |", "|---|---|---|---|"]
-        for name, c in v["rule_vs_fixed"].items():
-            if "mean" not in c:
-                lines.append(f"| {name} | {c['syncs']} | - | {c['verdict']} |")
-                continue
-            lines.append(f"| {name} | {c['syncs']} | {scale * c['mean']:+.4f} [{scale * c['lo']:+.4f} to "
-                         f"{scale * c['hi']:+.4f}] | {c['verdict']} |")
-        lines.append("")
+                  "|---|---|---|---|", *point_rows(curves, variant), "",
+                  f"| rule point | syncs | fixed period there, {unit} | rule minus fixed period, {diff} (+ = rule "
+                  "better), mean [95 % interval] | verdict |", "|---|---|---|---|---|", *verdict_rows(curves, variant),
+                  ""]
     return "\n".join(lines)
 
 
@@ -174,7 +197,10 @@ def draw(curves: dict, setup: dict, path: Path) -> None:
     metric = curves["metric"]
     scale = 1.0 if metric == "val_loss" else 100.0
     variants = list(curves["variants"])
-    fig, axes = plt.subplots(1, len(variants), figsize=(5.2 * len(variants), 4.2), squeeze=False, sharey=True)
+    from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
+
+    # each panel its own scale: one variant's spread of 50 points would flatten another's of 1
+    fig, axes = plt.subplots(1, len(variants), figsize=(5.2 * len(variants), 4.2), squeeze=False)
     for ax, variant in zip(axes[0], variants):
         pts = curves["variants"][variant]["points"]
         lines = [("fixed", None, "#1f77b4", "o")] + [
@@ -198,13 +224,18 @@ def draw(curves: dict, setup: dict, path: Path) -> None:
         if "reference" in curves:
             r = curves["reference"]
             ax.axhline(scale * r["mean"], color="black", linestyle=":", label=f"{r['name']} (every step)")
-        ax.set_xscale("log")
+        ax.set_xscale("log")  # plain numbers at 1-2-5 steps (the default's 2x10^1 labels run into each other)
+        syncs = [p["syncs"] for p in pts.values()]
+        ticks = [t * 10 ** e for e in range(0, 7) for t in (1, 2, 5) if min(syncs) / 1.5 <= t * 10 ** e <= max(syncs) * 1.5]
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("syncs in the run")
         ax.set_title(variant, fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel(("validation loss" if metric == "val_loss" else "test accuracy (%)")
-                          + f", mean of {len(curves['seeds'])} seeds, 95 % t bars")
+        ax.set_ylabel(("validation loss" if metric == "val_loss" else "test accuracy (%)")
+                      + f", mean of {len(curves['seeds'])} seeds, 95 % t bars", fontsize=8)
     fig.suptitle(f"The rule against a fixed period: {setup['model']}, {setup['ranks']} ranks, {setup['steps']} "
                  f"steps ({setup['date']})", fontsize=10)
     fig.tight_layout()

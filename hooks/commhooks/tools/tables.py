@@ -1,0 +1,54 @@
+"""Markdown rows that the docs quote from recorded runs, written from the run's own files.
+
+A table the docs copy by hand goes stale the day its run is redone; one the run's files write cannot.  Each
+function here takes a parsed results file and returns table rows; ``docs/claims.toml`` names it in a
+``[[table]]`` entry, and ``docs/claims.py --check`` fails when a row in the docs differs from what the function
+writes today (so every figure on those rows is sourced).  The functions only format: what is measured and how
+is the business of the tool that wrote the file (``commhooks bench``, ``commhooks curves``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+
+def _quality(x: Optional[float], metric: str) -> str:
+    return "-" if x is None else f"{x:.4f}" if metric == "val_loss" else f"{x:.3f}"
+
+
+def bench_quality(results: dict, methods: Sequence[str], names: Optional[Dict[str, str]] = None,
+                  baseline: str = "ddp") -> List[str]:
+    """One row per method of a ``commhooks bench`` run: name, quality on the held-out seeds and on the search
+    seeds (or the mean of all seeds), its spread over those seeds (min-max), syncs, MB sent per rank and that
+    as a share of ``baseline``'s bytes."""
+    metric = "val_loss" if results["methods"][methods[0]].get("val_loss") is not None else "test_acc"
+    seeds = [str(s) for s in results["setup"]["seeds"]]
+    search = [str(s) for s in results["setup"].get("search_seeds") or []]
+    heldout = [s for s in seeds if s not in search] if search else seeds
+    base = results["methods"][baseline]["payload_bytes_per_rank"]
+    rows = []
+    for name in methods:
+        m = results["methods"][name]
+        values = [m["quality_by_seed"][s] for s in heldout]
+        cells = [(names or {}).get(name, name), _quality(sum(values) / len(values), metric),
+                 f"{_quality(min(values), metric)}-{_quality(max(values), metric)}"]
+        if search:
+            cells.append(f"({_quality(m['quality_search_mean'], metric)})")
+        share = m["payload_bytes_per_rank"] / base if base else None
+        cells += [str(m["syncs"]) if m.get("syncs") is not None else "-", f"{m['payload_bytes_per_rank'] / 1e6:.2f}",
+                  "-" if name == baseline or share is None else f"{100 * share:.1f} %"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def ab_layers(summary: dict) -> List[str]:
+    """The AB report of one rank's ``train --json-out`` summary, as rows: each weight's name, shape, the rank
+    its factors had at the end of the run (``dense`` where it stayed full-rank) and its parameter compression
+    ``m*n / ((m+n)*k)``; then the whole model's parameters dense and factored and their ratio."""
+    report = summary["report"]
+    rows = [f"| `{layer['name']}` | {' x '.join(map(str, layer['shape']))} | "
+            f"{'dense' if layer['rank'] is None else layer['rank']} | {layer['compression']:.2f}:1 |"
+            for layer in report["layers"]]
+    rows.append(f"| the whole model | {report['params_dense']} -> {report['params_factored']} parameters | | "
+                f"{report['compression']:.2f}:1 |")
+    return rows
