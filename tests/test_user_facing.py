@@ -85,6 +85,9 @@ def _scenarios(rank, world):
     _, caught, _ = _train({"type": "qsr", "h_base": 2, "alpha": 0.0, "warmup_steps": 2, "total_steps": 8,
                            "overlap_steps": 2}, 8)
     out["overlap_long"] = caught
+    # every rank in one replica group: QSR is DDP with syncs that meet no one (a GPT sweep of periods, 2026-12-07)
+    _, caught, _ = _train({"type": "qsr", "h_base": 2, "alpha": 0.0, "group_size": 2, "total_steps": 6}, 6)
+    out["one_group"] = caught
     return out
 
 
@@ -105,6 +108,13 @@ def test_ordinary_run_is_silent_and_logs_every_n_steps(scenarios):
                     for line in res["ab_ordinary"]["lines"]] == [True, True]
         else:
             assert lines == [] and res["ab_ordinary"]["lines"] == []  # rank 0 only
+
+
+def test_one_replica_group_of_every_rank_is_named_on_every_rank(scenarios):
+    for res in scenarios:
+        assert any("all 2 ranks form one replica group (group_size 2)" in w and "change nothing" in w
+                   for w in res["one_group"]), res["one_group"]
+        assert not any("one replica group" in w for w in res["rising"] + res["unbounded"]), res["rising"]
 
 
 def test_report_is_a_plain_dict_with_bytes_against_allreduce(scenarios):

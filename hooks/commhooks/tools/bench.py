@@ -344,7 +344,9 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
                        GLOO_SOCKET_IFNAME=lab.iface(r), COMMHOOKS_WIRE_IFACE=lab.iface(r))
             cmd = ["ip", "netns", "exec", lab.ns(r), *cmd]
         else:
-            per_node = args.ranks // (args.nodes or 1)  # loopback: --nodes still sets the node size (the groups)
+            # loopback: --nodes still sets the node size (the groups), by default one rank per node as with the
+            # namespaces (it was the whole world: a config's group_size null then made every rank one replica group)
+            per_node = args.ranks // (args.nodes or args.ranks)
             env.update(MASTER_ADDR="127.0.0.1", LOCAL_RANK=str(r % per_node), LOCAL_WORLD_SIZE=str(per_node))
         log = out / f"worker-rank{r}.log"
         logs.append(log)
