@@ -74,8 +74,8 @@ def test_a_generated_table_is_sourced_row_by_row_and_a_changed_cell_fails(tmp_pa
              "rows": "commhooks.tools.curves:verdict_rows", "args": {"variant": "fp32"}}
     rows = claims.table_rows(entry)
     page = tmp_path / "docs" / "pages" / "extra.md"
-    page.write_text("\n".join(["<!-- claims -->", "| rule point | syncs | there | difference | verdict |",
-                               "|---|---|---|---|---|", *rows, "<!-- /claims -->", ""]))
+    page.write_text("\n".join(["<!-- claims -->", "| rule point | syncs | rule | there | difference | verdict |",
+                               "|---|---|---|---|---|---|", *rows, "<!-- /claims -->", ""]))
     assert len(rows) == 6 and claims.check(tmp_path, tables=claims.load_tables() + [entry]) == []
     page.write_text(page.read_text().replace(rows[0], rows[0].replace(" | on |", " | above |").replace("+0.15", "+0.25")))
     problems = claims.check(tmp_path, tables=claims.load_tables() + [entry])

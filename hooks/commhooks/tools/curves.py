@@ -145,22 +145,22 @@ def point_rows(curves: dict, variant: str) -> List[str]:
 
 
 def verdict_rows(curves: dict, variant: str) -> List[str]:
-    """Each rule point against the fixed period at its syncs, as markdown rows: name, syncs, the fixed period's
-    interpolated quality there (mean of seeds), the paired difference (+ = the rule better; accuracy in points,
+    """Each rule point against the fixed period at its syncs, as markdown rows: name, syncs, the rule's quality
+    and the fixed period's interpolated there (means of seeds), the paired difference (+ = the rule better; accuracy in points,
     loss as is) with its 95 % t interval, the verdict."""
     metric = curves["metric"]
     scale = 1.0 if metric == "val_loss" else 100.0
     rows = []
     for name, c in curves["variants"][variant]["rule_vs_fixed"].items():
         if "mean" not in c:
-            rows.append(f"| {name} | {c['syncs']} | - | - | {c['verdict']} |")
+            rows.append(f"| {name} | {c['syncs']} | - | - | - | {c['verdict']} |")
             continue
         rule = curves["variants"][variant]["points"][name]["mean"]
         fixed_there = rule - (c["mean"] if metric != "val_loss" else -c["mean"])
-        rows.append(f"| {name} | {c['syncs']} | {fmt(fixed_there, metric)} | {scale * c['mean']:+.2f} "
+        rows.append(f"| {name} | {c['syncs']} | {fmt(rule, metric)} | {fmt(fixed_there, metric)} | {scale * c['mean']:+.2f} "
                     f"[{scale * c['lo']:+.2f} to {scale * c['hi']:+.2f}] | {c['verdict']} |"
                     if metric != "val_loss" else
-                    f"| {name} | {c['syncs']} | {fmt(fixed_there, metric)} | {c['mean']:+.4f} "
+                    f"| {name} | {c['syncs']} | {fmt(rule, metric)} | {fmt(fixed_there, metric)} | {c['mean']:+.4f} "
                     f"[{c['lo']:+.4f} to {c['hi']:+.4f}] | {c['verdict']} |")
     return rows
 
@@ -181,8 +181,9 @@ def table(curves: dict, setup: dict) -> str:
     for variant in curves["variants"]:
         lines += [f"## {variant}", "", f"| point | syncs | MB sent per rank | {unit}, mean [95 % interval] |",
                   "|---|---|---|---|", *point_rows(curves, variant), "",
-                  f"| rule point | syncs | fixed period there, {unit} | rule minus fixed period, {diff} (+ = rule "
-                  "better), mean [95 % interval] | verdict |", "|---|---|---|---|---|", *verdict_rows(curves, variant),
+                  f"| rule point | syncs | rule, {unit} | fixed period there | rule minus fixed period, {diff} (+ = "
+                  "rule better), mean [95 % interval] | verdict |", "|---|---|---|---|---|---|",
+                  *verdict_rows(curves, variant),
                   ""]
     return "\n".join(lines)
 
@@ -226,7 +227,7 @@ def draw(curves: dict, setup: dict, path: Path) -> None:
             ax.axhline(scale * r["mean"], color="black", linestyle=":", label=f"{r['name']} (every step)")
         ax.set_xscale("log")  # plain numbers at 1-2-5 steps (the default's 2x10^1 labels run into each other)
         syncs = [p["syncs"] for p in pts.values()]
-        ticks = [t * 10 ** e for e in range(0, 7) for t in (1, 2, 5) if min(syncs) / 1.5 <= t * 10 ** e <= max(syncs) * 1.5]
+        ticks = [t * 10 ** e for e in range(0, 7) for t in (1, 2, 5) if min(syncs) / 2 <= t * 10 ** e <= max(syncs) * 2]
         ax.xaxis.set_major_locator(FixedLocator(ticks))
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())
