@@ -15,7 +15,8 @@ figure beside a 1000-step table).  So the figures of the measured sections are d
   with a decimal point, a ratio ``1.05x``, a percentage, a time or a size) must be a claim's figure on that line,
   or part of the set-up (``4 ranks``, ``100 Mbit/s``, ``1000 steps``, dates, paths): an unsourced figure fails.
 * A table the results file generates is one ``[[table]]`` entry rather than a claim per cell: ``rows`` names the
-  function that writes its rows (``module:function``, called with the parsed ``source`` and the entry's ``args``),
+  function that writes its rows (``module:function``, called with the parsed ``source`` and the entry's ``args``;
+  an arg named ``*_dir`` is a path from the repository root),
   and each row it gives must stand, exactly, on one line of the file's claims sections; the figures on those
   lines are then sourced.  The docs quote the tool's own rows, so no cell is copied by hand.
 * A budget is not a measurement: it is worded as one ("a budget of 8 minutes") and stays outside the sections.
@@ -83,7 +84,8 @@ def table_rows(entry: dict) -> List[str]:
     """The rows a ``[[table]]`` entry's function writes from its source today."""
     module, _, name = entry["rows"].partition(":")
     rows = getattr(importlib.import_module(module), name)
-    return [r.strip() for r in rows(json.loads((REPO / entry["source"]).read_text()), **entry.get("args", {}))]
+    args = {k: str(REPO / v) if k.endswith("_dir") else v for k, v in entry.get("args", {}).items()}  # from the root
+    return [r.strip() for r in rows(json.loads((REPO / entry["source"]).read_text()), **args)]
 
 
 def _names(path: str, suffix: str = "") -> Dict[str, object]:

@@ -52,3 +52,23 @@ def ab_layers(summary: dict) -> List[str]:
     rows.append(f"| the whole model | {report['params_dense']} -> {report['params_factored']} parameters | | "
                 f"{report['compression']:.2f}:1 |")
     return rows
+
+
+def ab_trade(results: dict, run_dir: str, methods: Sequence[str], baseline: str = "ddp") -> List[str]:
+    """AB's trade, one row per method of a ``commhooks bench`` run: its ``rank_cutoff``, the parameter
+    compression it reached at the end of the first seed's run (``run_dir``'s rank-0 summary), then the
+    :func:`bench_quality` cells (quality on held-out seeds with their range, search seeds, syncs, MB, share)."""
+    import json
+    from pathlib import Path
+
+    first = results["setup"]["seeds"][0]
+    where = Path(run_dir) / ("time-unlimited" if (Path(run_dir) / "time-unlimited").is_dir() else f"seed{first}")
+    rows = []
+    for name, quality_row in zip(methods, bench_quality(results, methods, baseline=baseline)):
+        if name == baseline:
+            rows.append(quality_row.replace(f"| {name} |", f"| {name} | - | - |", 1))
+            continue
+        summary = json.loads((where / f"{name}.rank0.json").read_text())
+        cut = summary["config"].get("rank_cutoff")
+        rows.append(quality_row.replace(f"| {name} |", f"| {name} | {cut} | {summary['report']['compression']:.2f}:1 |", 1))
+    return rows
