@@ -16,7 +16,7 @@ from pathlib import Path
 from mkdocs.structure.files import File
 
 REPO = Path(__file__).resolve().parent.parent
-CLI = ("train", "bench", "plan", "faults", "table", "configs", "schema")
+CLI = ("train", "bench", "curves", "plan", "faults", "table", "configs", "schema")
 
 
 def on_files(files, config):
