@@ -59,7 +59,15 @@ def t_interval(values: Sequence[float]) -> Tuple[float, Optional[float], Optiona
     return m, m - half, m + half
 
 
-def point_configs(base: dict, periods: Sequence[int], alphas: Sequence[float], h_bases: Sequence[int]) -> Dict[str, dict]:
+def seed_summary(method: dict, seeds: Sequence[str]) -> dict:
+    """A bench method's quality on ``seeds``: the values in order, their mean and its 95 % t interval."""
+    values = [method["quality_by_seed"][s] for s in seeds]
+    mean, lo, hi = t_interval(values)
+    return {"by_seed": values, "mean": mean, "lo": lo, "hi": hi}
+
+
+def point_configs(base: dict, periods: Sequence[int], alphas: Sequence[float],
+                  h_bases: Sequence[int]) -> Dict[str, dict]:
     """One config per point: ``fixed-h<H>`` (``alpha 0, h_base H``) and ``rule-a<alpha>`` (``h_base`` and
     ``alpha``; ``rule-h<h_base>-a<alpha>`` with several ``h_bases``), every other key of ``base`` kept (warm-up,
     payload, outer step, what is averaged)."""
@@ -97,18 +105,16 @@ def analyse(results: dict, variants: Dict[str, dict], reference: Optional[str]) 
         for family in ("fixed", "rule"):
             for name in point_names[family]:
                 m = results["methods"][name]
-                values = [m["quality_by_seed"][s] for s in seeds]
-                mean, lo, hi = t_interval(values)
                 points[name] = {"family": family, "param": point_names["param"][name], "syncs": m["syncs"],
-                                "bytes_per_rank": m["payload_bytes_per_rank"], "by_seed": values, "mean": mean,
-                                "lo": lo, "hi": hi}
+                                "bytes_per_rank": m["payload_bytes_per_rank"], **seed_summary(m, seeds)}
         fixed = sorted((p for p in points.values() if p["family"] == "fixed"), key=lambda p: p["syncs"])
+        fixed_syncs = [f["syncs"] for f in fixed]
         compared = {}
         for name in point_names["rule"]:
             p = points[name]
             diffs = []
             for i in range(len(seeds)):
-                y = interpolate([f["syncs"] for f in fixed], [f["by_seed"][i] for f in fixed], p["syncs"])
+                y = interpolate(fixed_syncs, [f["by_seed"][i] for f in fixed], p["syncs"])
                 if y is None:
                     break
                 diffs.append(sign * (p["by_seed"][i] - y))
@@ -122,15 +128,19 @@ def analyse(results: dict, variants: Dict[str, dict], reference: Optional[str]) 
         out["variants"][variant] = {"points": points, "rule_vs_fixed": compared}
     if reference:
         m = results["methods"][reference]
-        values = [m["quality_by_seed"][s] for s in seeds]
-        mean, lo, hi = t_interval(values)
-        out["reference"] = {"name": reference, "by_seed": values, "mean": mean, "lo": lo, "hi": hi,
-                            "syncs": m.get("syncs"), "bytes_per_rank": m["payload_bytes_per_rank"]}
+        out["reference"] = {"name": reference, **seed_summary(m, seeds), "syncs": m.get("syncs"),
+                            "bytes_per_rank": m["payload_bytes_per_rank"]}
     return out
 
 
 def fmt(x: Optional[float], metric: str) -> str:
+    """A quality figure as the tables print it: a loss to 4 places, an accuracy in % to 2."""
     return "-" if x is None else (f"{x:.4f}" if metric == "val_loss" else f"{100 * x:.2f}")
+
+
+def fmt_diff(x: float, metric: str) -> str:
+    """A signed difference of quality: a loss to 4 places, an accuracy in points to 2."""
+    return f"{x:+.4f}" if metric == "val_loss" else f"{100 * x:+.2f}"
 
 
 def point_rows(curves: dict, variant: str) -> List[str]:
@@ -138,30 +148,27 @@ def point_rows(curves: dict, variant: str) -> List[str]:
     per rank, quality mean [95 % t interval].  The docs quote these rows (docs/claims.toml ``[[table]]``)."""
     metric = curves["metric"]
     points = curves["variants"][variant]["points"]
+    order = sorted(points.items(), key=lambda kv: (kv[1]["family"], kv[1]["param"]["h_base"]
+                                                  if kv[1]["family"] == "rule" else 0, -kv[1]["syncs"]))
     return [f"| {name} | {p['syncs']} | {p['bytes_per_rank'] / 1e6:.2f} | {fmt(p['mean'], metric)} "
-            f"[{fmt(p['lo'], metric)}-{fmt(p['hi'], metric)}] |"
-            for name, p in sorted(points.items(), key=lambda kv: (kv[1]["family"], kv[1]["param"]["h_base"]
-                                                                  if kv[1]["family"] == "rule" else 0, -kv[1]["syncs"]))]
+            f"[{fmt(p['lo'], metric)}-{fmt(p['hi'], metric)}] |" for name, p in order]
 
 
 def verdict_rows(curves: dict, variant: str) -> List[str]:
     """Each rule point against the fixed period at its syncs, as markdown rows: name, syncs, the rule's quality
-    and the fixed period's interpolated there (means of seeds), the paired difference (+ = the rule better; accuracy in points,
-    loss as is) with its 95 % t interval, the verdict."""
+    and the fixed period's interpolated there (means of seeds), the paired difference (+ = the rule better;
+    accuracy in points, loss as is) with its 95 % t interval, the verdict."""
     metric = curves["metric"]
-    scale = 1.0 if metric == "val_loss" else 100.0
+    sign = -1.0 if metric == "val_loss" else 1.0  # as analyse(): a difference > 0 is the rule doing better
     rows = []
     for name, c in curves["variants"][variant]["rule_vs_fixed"].items():
         if "mean" not in c:
             rows.append(f"| {name} | {c['syncs']} | - | - | - | {c['verdict']} |")
             continue
         rule = curves["variants"][variant]["points"][name]["mean"]
-        fixed_there = rule - (c["mean"] if metric != "val_loss" else -c["mean"])
-        rows.append(f"| {name} | {c['syncs']} | {fmt(rule, metric)} | {fmt(fixed_there, metric)} | {scale * c['mean']:+.2f} "
-                    f"[{scale * c['lo']:+.2f} to {scale * c['hi']:+.2f}] | {c['verdict']} |"
-                    if metric != "val_loss" else
-                    f"| {name} | {c['syncs']} | {fmt(rule, metric)} | {fmt(fixed_there, metric)} | {c['mean']:+.4f} "
-                    f"[{c['lo']:+.4f} to {c['hi']:+.4f}] | {c['verdict']} |")
+        rows.append(f"| {name} | {c['syncs']} | {fmt(rule, metric)} | {fmt(rule - sign * c['mean'], metric)} | "
+                    f"{fmt_diff(c['mean'], metric)} [{fmt_diff(c['lo'], metric)} to {fmt_diff(c['hi'], metric)}] "
+                    f"| {c['verdict']} |")
     return rows
 
 

@@ -9,36 +9,37 @@ is the business of the tool that wrote the file (``commhooks bench``, ``commhook
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+import json
+from pathlib import Path
+from typing import List, Optional, Sequence
 
 
 def _quality(x: Optional[float], metric: str) -> str:
     return "-" if x is None else f"{x:.4f}" if metric == "val_loss" else f"{x:.3f}"
 
 
-def bench_quality(results: dict, methods: Sequence[str], names: Optional[Dict[str, str]] = None,
-                  baseline: str = "ddp") -> List[str]:
-    """One row per method of a ``commhooks bench`` run: name, quality on the held-out seeds and on the search
-    seeds (or the mean of all seeds), its spread over those seeds (min-max), syncs, MB sent per rank and that
-    as a share of ``baseline``'s bytes."""
-    metric = "val_loss" if results["methods"][methods[0]].get("val_loss") is not None else "test_acc"
+def quality_cells(results: dict, name: str, baseline: str = "ddp") -> List[str]:
+    """A ``commhooks bench`` method's cells: quality on the held-out seeds (or every seed's mean) and its
+    spread over them (min-max), the search seeds' mean in brackets where the run names search seeds, syncs, MB
+    sent per rank and that as a share of ``baseline``'s bytes."""
+    m = results["methods"][name]
+    metric = "val_loss" if m.get("val_loss") is not None else "test_acc"
     seeds = [str(s) for s in results["setup"]["seeds"]]
     search = [str(s) for s in results["setup"].get("search_seeds") or []]
-    heldout = [s for s in seeds if s not in search] if search else seeds
+    values = [m["quality_by_seed"][s] for s in seeds if s not in search]
+    cells = [_quality(sum(values) / len(values), metric),
+             f"{_quality(min(values), metric)}-{_quality(max(values), metric)}"]
+    if search:
+        cells.append(f"({_quality(m['quality_search_mean'], metric)})")
     base = results["methods"][baseline]["payload_bytes_per_rank"]
-    rows = []
-    for name in methods:
-        m = results["methods"][name]
-        values = [m["quality_by_seed"][s] for s in heldout]
-        cells = [(names or {}).get(name, name), _quality(sum(values) / len(values), metric),
-                 f"{_quality(min(values), metric)}-{_quality(max(values), metric)}"]
-        if search:
-            cells.append(f"({_quality(m['quality_search_mean'], metric)})")
-        share = m["payload_bytes_per_rank"] / base if base else None
-        cells += [str(m["syncs"]) if m.get("syncs") is not None else "-", f"{m['payload_bytes_per_rank'] / 1e6:.2f}",
-                  "-" if name == baseline or share is None else f"{100 * share:.1f} %"]
-        rows.append("| " + " | ".join(cells) + " |")
-    return rows
+    share = m["payload_bytes_per_rank"] / base if base else None
+    return cells + [str(m["syncs"]) if m.get("syncs") is not None else "-", f"{m['payload_bytes_per_rank'] / 1e6:.2f}",
+                    "-" if name == baseline or share is None else f"{100 * share:.1f} %"]
+
+
+def bench_quality(results: dict, methods: Sequence[str], baseline: str = "ddp") -> List[str]:
+    """One row per method of a ``commhooks bench`` run: its name, then :func:`quality_cells`."""
+    return ["| " + " | ".join([name, *quality_cells(results, name, baseline)]) + " |" for name in methods]
 
 
 def ab_layers(summary: dict) -> List[str]:
@@ -57,18 +58,14 @@ def ab_layers(summary: dict) -> List[str]:
 def ab_trade(results: dict, run_dir: str, methods: Sequence[str], baseline: str = "ddp") -> List[str]:
     """AB's trade, one row per method of a ``commhooks bench`` run: its ``rank_cutoff``, the parameter
     compression it reached at the end of the first seed's run (``run_dir``'s rank-0 summary), then the
-    :func:`bench_quality` cells (quality on held-out seeds with their range, search seeds, syncs, MB, share)."""
-    import json
-    from pathlib import Path
-
+    :func:`quality_cells` (quality on held-out seeds with their range, search seeds, syncs, MB, share)."""
     first = results["setup"]["seeds"][0]
     where = Path(run_dir) / ("time-unlimited" if (Path(run_dir) / "time-unlimited").is_dir() else f"seed{first}")
     rows = []
-    for name, quality_row in zip(methods, bench_quality(results, methods, baseline=baseline)):
-        if name == baseline:
-            rows.append(quality_row.replace(f"| {name} |", f"| {name} | - | - |", 1))
-            continue
-        summary = json.loads((where / f"{name}.rank0.json").read_text())
-        cut = summary["config"].get("rank_cutoff")
-        rows.append(quality_row.replace(f"| {name} |", f"| {name} | {cut} | {summary['report']['compression']:.2f}:1 |", 1))
+    for name in methods:
+        ab = ["-", "-"]
+        if name != baseline:
+            summary = json.loads((where / f"{name}.rank0.json").read_text())
+            ab = [str(summary["config"].get("rank_cutoff")), f"{summary['report']['compression']:.2f}:1"]
+        rows.append("| " + " | ".join([name, *ab, *quality_cells(results, name, baseline)]) + " |")
     return rows

@@ -218,8 +218,9 @@ class QSRState(QSRKept, AlgorithmState):
                                    engine.replica_data_parallel, sum(p.numel() for _, p in self.named_params),
                                    self.outer_optimizer is not None, origin)
         if len(self.plan.groups) == 1 and self.comm.size > 1:  # measured: a GPT sweep of periods gave one loss
-            warnings.warn(f"QSR: all {self.comm.size} ranks form one replica group (group_size "
-                          f"{'null' if c.group_size is None else c.group_size}{origin}): every step averages over the whole world, as DDP does, "
+            size = "null" if c.group_size is None else c.group_size
+            warnings.warn(f"QSR: all {self.comm.size} ranks form one replica group (group_size {size}{origin}): "
+                          "every step averages over the whole world, as DDP does, "
                           "and the syncs have no other group to meet, so alpha and h_base change nothing; set "
                           "group_size to 1 (every rank its own replica) or to the ranks of a node on several nodes",
                           stacklevel=user_stacklevel())
