@@ -132,9 +132,13 @@ def test_quality_and_time_apart_and_held_out_seeds(tmp_path):
     are the full run's 5, not the window's 3); the search seed's mean and the held-out seed's apart; every row
     carries the commit and its config's hash, the table says what it is under it."""
     results, _, _ = bench(["--quick", "--seeds", "0,1", "--search-seeds", "0", "--time-steps", "10",
-                           "--methods", "compute-only,qsr"], tmp_path, timeout=300)
+                           "--methods", "compute-only,qsr,qsr-nosync", "--whole-schedule", "qsr-nosync"],
+                          tmp_path, timeout=300)
     setup = results["setup"]
     assert setup["time_steps"] == 10 and setup["search_seeds"] == [0], setup
+    assert setup["whole_schedule"] == ["qsr-nosync"], setup
+    whole = json.loads((tmp_path / "time-unlimited" / "qsr-nosync.rank0.json").read_text())
+    assert whole["steps_run"] == 20, whole  # --whole-schedule: its timing runs go to the end
     window = json.loads((tmp_path / "time-unlimited" / "qsr.rank0.json").read_text())
     full = json.loads((tmp_path / "seed0" / "qsr.rank0.json").read_text())
     assert window["steps_run"] == 10 and window["syncs"] == 3 and full["steps_run"] == 20, (window, full)
@@ -146,7 +150,49 @@ def test_quality_and_time_apart_and_held_out_seeds(tmp_path):
     text = (tmp_path / "table.md").read_text()
     assert "mean of search seeds 0" in text and "mean of held-out seeds 1" in text, text
     assert f"| {qsr['config_sha256'][:8]} |" in text and f"commit {setup['commit'][:7]}" in text, text
-    assert "the schedule's first 10 steps" in text and "chosen on seeds 0" in text, text
+    assert "the schedule's first 10 steps (qsr-nosync: the whole schedule)" in text, text
+    assert "chosen on seeds 0" in text, text
+
+
+def test_resume_reuses_finished_stages_of_this_commit_and_refuses_another_commit(tmp_path):
+    """A run stopped in a seed's stage goes on with --resume: the finished stages are read back (their files
+    untouched), the unfinished one runs again, and the table equals the one a run never stopped writes; a stage
+    finished at another commit is an error that names --resume and both commits.  The bench runs from a clean
+    git copy of this package, the only kind of checkout --resume accepts."""
+    repo = tmp_path / "repo"
+    for part in ("hooks", "configs"):
+        shutil.copytree(REPO / part, repo / part, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "copy"]):
+        subprocess.run(git + cmd, cwd=repo, check=True, capture_output=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"), PYTHONPATH=str(repo / "hooks"))
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "commhooks.cli", "bench", "--quick", "--seeds", "0,1", "--time-steps", "10",
+            "--methods", "compute-only,qsr", "--out", str(out)]
+
+    def run(*extra):
+        return subprocess.run(argv + list(extra), cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+
+    first = run()
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    whole = json.loads((out / "results.json").read_text())
+    assert set(whole["setup"]["stages"]) == {"time-unlimited", "seed0", "seed1"}, whole["setup"]
+    (out / "seed1" / "done.json").unlink()  # as if stopped during seed 1
+    kept = {f: f.stat().st_mtime_ns for f in (out / "time-unlimited").glob("*.rank0.json")}
+    again = run("--resume")
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "time-unlimited: finished earlier at this commit, reused (--resume)" in again.stdout
+    assert "seed0: finished earlier" in again.stdout and "seed1: finished earlier" not in again.stdout
+    assert {f: f.stat().st_mtime_ns for f in kept} == kept
+    resumed = json.loads((out / "results.json").read_text())
+    assert resumed["setup"]["resumed"] is True
+    for name in ("compute-only", "qsr"):
+        assert resumed["methods"][name]["quality_by_seed"] == whole["methods"][name]["quality_by_seed"], name
+    done = out / "seed0" / "done.json"
+    done.write_text(done.read_text().replace(whole["setup"]["commit"], "0" * 40))
+    other = run("--resume")
+    assert other.returncode != 0 and "--resume:" in other.stderr and "commit 0000000" in other.stderr, \
+        other.stderr[-1500:]
 
 
 def test_a_timing_window_that_shared_the_machine_is_flagged():
@@ -167,7 +213,8 @@ def test_a_timing_window_that_shared_the_machine_is_flagged():
 
 def test_bad_bench_arguments_are_refused_naming_the_flag():
     for bad, flag in ((["--search-seeds", "0,1"], "--search-seeds"), (["--search-seeds", "3"], "--search-seeds"),
-                      (["--time-steps", "5"], "--time-steps"), (["--repeats", "0"], "--repeats")):
+                      (["--time-steps", "5"], "--time-steps"), (["--repeats", "0"], "--repeats"),
+                      (["--whole-schedule", "qsr,nope"], "--whole-schedule")):
         proc = subprocess.run([sys.executable, "-m", "commhooks.cli", "bench", "--quick", "--seeds", "0,1", *bad],
                               cwd=REPO, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and f"error: {flag}" in proc.stderr.splitlines()[-1], (bad, proc.stderr[-500:])

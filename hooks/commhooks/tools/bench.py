@@ -312,21 +312,63 @@ class NetnsLab:
 
 def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Path, timeout: float,
                   seed: Optional[int] = None, repeats: Optional[int] = None,
-                  stop_after: Optional[int] = None) -> Dict[str, List[dict]]:
+                  stop_after: Optional[int] = None, resume: bool = False) -> Dict[str, List[dict]]:
     """All methods at one link setting, one after the other, in one process group: per method, the per-rank
-    summaries (``stop_after``: only the schedule's first steps, a timing window)."""
+    summaries (``stop_after``: only the schedule's first steps, a timing window).  Each finished stage leaves
+    ``done.json`` in ``out`` (its spec, commit and machine load); ``resume`` reuses such a stage instead of
+    running it again (``finished_stage``)."""
     seed = args.seeds[0] if seed is None else seed
     out.mkdir(parents=True, exist_ok=True)
     common = ["--steps", str(args.steps), "--model", args.model, "--seed", str(seed), "--no-progress"]
-    if stop_after is not None and stop_after < args.steps:
-        common += ["--stop-after", str(stop_after)]
+    whole = set(getattr(args, "whole_schedule", ()))  # timed over the whole schedule, whatever stop_after says
+    window = {name: [] if stop_after is None or stop_after >= args.steps or name in whole else
+              ["--stop-after", str(stop_after)] for name in methods}
     repeats = getattr(args, "repeats", 1) if repeats is None else repeats
     order = timing.bracketed_order(methods, repeats)  # repeats interleaved, each method between two floor runs
     label = {(name, k): name if k == 0 else f"{name}#{k}" for name, k in order}
     runs_of = {name: [label[(n, k)] for n, k in sorted(o for o in order if o[0] == name)] for name in methods}
     configs = getattr(args, "method_configs", {})
     spec = {label[(name, k)]: method_argv(name, args.model, getattr(args, "engine", "ddp"), configs) + common +
-            ["--label", name, "--json-out", str(out / f"{label[(name, k)]}.rank{{rank}}.json")] for name, k in order}
+            window[name] + ["--label", name, "--json-out", str(out / f"{label[(name, k)]}.rank{{rank}}.json")]
+            for name, k in order}
+    if not (resume and finished_stage(out, spec)):
+        launch_stage(spec, args, lab, out, timeout)
+    sys.stdout.write((out / "worker-rank0.log").read_text())
+    found = {}
+    for name in methods:  # the first run's summary; per rank, each repeat's steady-state step time, in run order
+        ranks = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(args.ranks)]
+        for r, summary in enumerate(ranks):
+            times = [steady(json.loads((out / f"{run}.rank{r}.json").read_text())) for run in runs_of[name]]
+            summary["step_ms_repeats"], summary["step_ms"] = times, statistics.median(times)
+        found[name] = ranks
+    return found
+
+
+def finished_stage(out: Path, spec: dict) -> bool:
+    """Whether ``out`` holds a finished stage of exactly this spec, run at this commit: a long run (the GPT
+    headline: some three hours on 2 cores) can then stop and go on with ``--resume`` without mixing commits
+    (DESIGN section 18: one run, one commit).  A stage of another spec is run again; one of another commit, or
+    from a checkout with uncommitted changes, is an error rather than a silent mix."""
+    done = out / "done.json"
+    if not done.exists():
+        return False
+    record = json.loads(done.read_text())
+    if record.get("spec") != spec:
+        return False
+    here = provenance.commit()
+    if here["dirty"] or record.get("dirty") or not here["commit"] or record.get("commit") != here["commit"]:
+        was = provenance.describe(record.get("commit"), record.get("dirty"))
+        now = provenance.describe(here["commit"], here["dirty"])
+        raise RuntimeError(f"--resume: {out} was run at {was}, this is {now}; a run resumes only at the clean commit "
+                           f"it started from (move {out} away to run it again)")
+    print(f"[bench] {out.name}: finished earlier at this commit, reused (--resume)", flush=True)
+    return True
+
+
+def launch_stage(spec: dict, args, lab: Optional[NetnsLab], out: Path, timeout: float) -> None:
+    """Run a stage's spec on ``args.ranks`` workers and wait for them; on success write ``done.json``."""
+    (out / "done.json").unlink(missing_ok=True)
+    before = cpu_clock()
     spec_file = out / "spec.json"
     spec_file.write_text(json.dumps(spec))
     port = free_port("127.0.0.1")
@@ -365,15 +407,8 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
             raise RuntimeError("a rank failed:\n" + "\n".join(log.read_text()[-3000:] for log in logs))
     finally:
         stop_workers(procs)
-    sys.stdout.write(logs[0].read_text())
-    found = {}
-    for name in methods:  # the first run's summary; per rank, each repeat's steady-state step time, in run order
-        ranks = [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(args.ranks)]
-        for r, summary in enumerate(ranks):
-            times = [steady(json.loads((out / f"{run}.rank{r}.json").read_text())) for run in runs_of[name]]
-            summary["step_ms_repeats"], summary["step_ms"] = times, statistics.median(times)
-        found[name] = ranks
-    return found
+    (out / "done.json").write_text(json.dumps({"spec": spec, **provenance.commit(), "finished": time.strftime(
+        "%Y-%m-%d %H:%M:%S"), "load": machine_load(before, cpu_clock())}, indent=1) + "\n")
 
 
 def steady(summary: dict) -> float:
@@ -634,6 +669,8 @@ def provenance_line(results: dict) -> str:
     if "time_steps" not in s:
         return text + " Recorded before the quality and time runs were apart: time and quality from the same runs."
     window = "the whole schedule" if s["time_steps"] == s["steps"] else f"the schedule's first {s['time_steps']} steps"
+    if s.get("whole_schedule") and s["time_steps"] != s["steps"]:
+        window += f" ({', '.join(s['whole_schedule'])}: the whole schedule)"
     seeds = s.get("seeds") or [s.get("seed", 0)]
     bracketed = (", each between two compute-only runs; ratios paired per repeat (against compute-only: the "
                  "geometric mean of the runs around it)" if s.get("pairing") == "bracketed" else
@@ -690,6 +727,11 @@ def parse_args(argv=None):
     p.add_argument("--time-steps", type=int, default=None,
                    help="timing runs stop after this many steps of the full schedule (default: the whole "
                         "schedule); each is timed after its first tenth")
+    p.add_argument("--whole-schedule", default="", metavar="METHODS",
+                   help="comma list of --methods whose timing runs cover the whole schedule despite --time-steps: "
+                        "a method whose syncs change over the schedule (QSR's rule syncs every h_base steps while "
+                        "the learning rate is high, rarely once it decays) is timed where it saves, not only in "
+                        "its first steps")
     p.add_argument("--target", type=float, default=None,
                    help="a ratio to compute-only that an interval must also clear to be called resolved")
     p.add_argument("--repeats", type=int, default=None,
@@ -705,6 +747,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default="results/bench")
     p.add_argument("--cache-dir", default=os.environ.get("COMMHOOKS_CACHE", ".cache"))
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds for all methods at one link setting")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the stages (a link setting's timing, a seed's quality runs) that an earlier run of "
+                        "the same command left finished in --out at this same clean commit; run the rest")
     p.add_argument("--quick", action="store_true", help="20 steps, loopback, unlimited only (a smoke test)")
     p.add_argument("--replot", metavar="DIR",
                    help="only redraw DIR's table.md and pictures from its results.json (a recorded run), then stop")
@@ -726,6 +771,10 @@ def parse_args(argv=None):
         args.methods, args.method_configs = split_methods([m.strip() for m in args.methods.split(",") if m.strip()])
     except ValueError as exc:
         p.error(f"--methods: {exc}")
+    args.whole_schedule = [m.strip() for m in args.whole_schedule.split(",") if m.strip()]
+    if set(args.whole_schedule) - set(args.methods):
+        p.error(f"--whole-schedule must name some of --methods ({', '.join(args.methods)}), got "
+                f"{', '.join(sorted(set(args.whole_schedule) - set(args.methods)))}")
     args.bandwidths = [b.strip() for b in args.bandwidths.split(",") if b.strip()]
     try:
         args.seeds = [args.seed] if args.seeds is None else [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -799,7 +848,8 @@ def _run(args, out: Path) -> int:
         # on loopback --nodes still groups the ranks by node (LOCAL_WORLD_SIZE): "vs DDP" then compares the bytes
         # the meter counts on groups spanning nodes, as the wire counter would with namespaces
         results = {"setup": {"ranks": args.ranks, "nodes": lab.nodes if lab else args.nodes, "steps": args.steps,
-                             "time_steps": args.time_steps, "model": args.model, "engine": args.engine,
+                             "time_steps": args.time_steps, "whole_schedule": args.whole_schedule,
+                             "model": args.model, "engine": args.engine,
                              "seed": args.seed, "seeds": args.seeds, "search_seeds": args.search_seeds,
                              "method_configs": args.method_configs,
                              "repeats": args.repeats, "target": args.target, "pairing": "bracketed" if timing.bracketed(args.methods, args.repeats) else "rounds",
@@ -810,20 +860,23 @@ def _run(args, out: Path) -> int:
             shaping = lab.shape(bw, args.delay) if lab else "none"
             results["setup"].setdefault("shaping", {})[bw] = shaping
             print(f"[bench] link {bw}: {shaping} ({network}), {args.repeats} repeat(s)", flush=True)
-            before = cpu_clock()
             timed[bw] = run_bandwidth(args.methods, args, lab, out / f"time-{bw}", args.timeout,
-                                      stop_after=args.time_steps)
-            results["setup"]["load"][bw] = machine_load(before, cpu_clock())
+                                      stop_after=args.time_steps, resume=args.resume)
+            results["setup"]["load"][bw] = json.loads((out / f"time-{bw}" / "done.json").read_text())["load"]
         if "unlimited" in timed and args.time_steps == args.steps:  # a whole run of the first seed, unlimited
             by_seed[args.seeds[0]] = timed["unlimited"]
         for seed in [x for x in args.seeds if x not in by_seed]:  # quality: full runs, the link does not change it
             shaping = lab.shape("unlimited", args.delay) if lab else "none"
             print(f"[bench] seed {seed}: quality runs, link unlimited ({shaping})", flush=True)
             by_seed[seed] = run_bandwidth(args.methods, args, lab, out / f"seed{seed}", args.timeout / args.repeats,
-                                          seed=seed, repeats=1)
+                                          seed=seed, repeats=1, resume=args.resume)
     finally:
         if lab:
             lab.__exit__()
+    results["setup"]["resumed"] = args.resume  # when each stage finished: a resumed run shows its gaps
+    results["setup"]["stages"] = {d.name: json.loads((d / "done.json").read_text())["finished"]
+                                  for d in [out / f"time-{bw}" for bw in timed] + [out / f"seed{x}" for x in by_seed]
+                                  if (d / "done.json").exists()}
     per_node = args.ranks // (results.get("setup", {}).get("nodes") or args.ranks)
     metric = WORKLOADS[args.model].metric
     for name in args.methods:
