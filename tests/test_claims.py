@@ -81,3 +81,21 @@ def test_a_generated_table_is_sourced_row_by_row_and_a_changed_cell_fails(tmp_pa
     problems = claims.check(tmp_path, tables=claims.load_tables() + [entry])
     assert any("is on 0 lines" in p and rows[0][:40] in p for p in problems), problems
     assert any("'+0.25' has no claim" in p for p in problems), problems
+
+
+def test_headline_rows_of_a_protocol_run_hold_its_held_out_quality_paired_difference_and_intervals():
+    """``tables.headline_rows`` on the recorded MNIST-1D protocol run: quality on the held-out seeds 3-5, the
+    search seeds' in brackets, the mean seed-by-seed difference from DDP with its range (accuracy: points), the
+    bytes and their share of DDP's, and both paired time ratios with their intervals; DDP and compute-only
+    leave their own cells empty."""
+    import json
+
+    from commhooks.tools.tables import headline_rows
+
+    results = json.loads((REPO / "results/bench-protocol-mnist1d-2026-12-06/results.json").read_text())
+    ddp, floor, int2 = headline_rows(results, ["ddp", "compute-only", "qsr-diloco-int2-a0125"],
+                                     labels={"qsr-diloco-int2-a0125": "int2"})
+    assert ddp == "| ddp | 0.919 | (0.919) | - | 1200 | 892.8 | - | 18.78x [18.00-20.44] resolved | - |", ddp
+    assert floor.startswith("| compute-only | 0.917 | (0.912) | -0.2 points (-1.2 to +0.8) | - | 0.0 | 0.00 % | - | 18.78x [18.00-20.44] resolved |"), floor
+    assert int2 == ("| int2 | 0.932 | (0.939) | +1.4 points (+1.3 to +1.4) | 41 | 2.1 | 0.23 % | "
+                    "1.21x [1.13-1.30] resolved | 15.55x [13.42-17.81] resolved |"), int2

@@ -346,7 +346,7 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
 
 def finished_stage(out: Path, spec: dict) -> bool:
     """Whether ``out`` holds a finished stage of exactly this spec, run at this commit: a long run (the GPT
-    headline: some three hours on 2 cores) can then stop and go on with ``--resume`` without mixing commits
+    headline: some four hours on 2 cores) can then stop and go on with ``--resume`` without mixing commits
     (DESIGN section 18: one run, one commit).  A stage of another spec is run again; one of another commit, or
     from a checkout with uncommitted changes, is an error rather than a silent mix."""
     done = out / "done.json"
@@ -466,13 +466,15 @@ def mean(values):
     return sum(values) / len(values) if values else None
 
 
-def summarize(first: List[dict], timed: Dict[str, List[dict]], per_node: int = 1) -> dict:
+def summarize(first: List[dict], timed: Dict[str, List[dict]], per_node: int = 1,
+              cores: Optional[int] = None) -> dict:
     """One method's row: quality and bytes from its full run of the first seed (``first``: per rank), its pace
     per repeat at each link setting from the timing runs (``timed``).
 
     With several ranks per node, each rank reads its node's shared link counter: the node's bytes are the
     mean of those readings, a rank's share that over ``per_node``."""
-    paces = {bw: repeat_paces(rs) for bw, rs in timed.items()}
+    averaged = timing.independent(timing.never_waits(first), len(first), cores)
+    paces = {bw: timing.paces([r["step_ms_repeats"] for r in rs], averaged) for bw, rs in timed.items()}
     wire = [r["wire_bytes_per_rank"] for r in first]
     node_tx = None if wire[0] is None else mean([w["tx"] for w in wire])
     across = mean([cross_node_payload(r.get("payload_bytes_by_group"), per_node) for r in first]) if per_node > 1 else None
@@ -486,11 +488,12 @@ def summarize(first: List[dict], timed: Dict[str, List[dict]], per_node: int = 1
         "payload_bytes_per_rank": mean([r["payload_bytes_per_rank"] for r in first]),
         "meter_bytes_per_rank": mean([r["bytes_per_rank"] for r in first]),
         "wire_tx_bytes_per_rank": None if node_tx is None else node_tx / per_node,
-        # per repeat the pace (timing.py: the ranks' mean where they never wait, else the slowest rank); the median
+        # per repeat the pace (timing.py: the ranks' mean where they never wait and each has a core, else the
+        # slowest rank); the median
         "step_ms": {bw: statistics.median(p) for bw, p in paces.items()},
         "step_ms_paces": paces,
         "step_ms_repeats_by_rank": {bw: [r["step_ms_repeats"] for r in rs] for bw, rs in timed.items()},
-        "pace": "mean of ranks (they never wait)" if timing.never_waits(first) else "slowest rank",
+        "pace": pace_rule(timing.never_waits(first), averaged),
         "syncs": first[0].get("syncs"),
         "config": first[0]["config"],
         "config_sha256": provenance.config_sha256(first[0]["config"]),
@@ -498,9 +501,34 @@ def summarize(first: List[dict], timed: Dict[str, List[dict]], per_node: int = 1
     }
 
 
-def repeat_paces(ranks: List[dict]) -> List[float]:
-    """A method's pace in each repeat at one link setting, from its ranks' step times (run_bandwidth's)."""
-    return timing.paces([r["step_ms_repeats"] for r in ranks], timing.never_waits(ranks))
+def pace_rule(moved_no_bytes: bool, averaged: bool) -> str:
+    """How a row's pace was taken from its ranks, in words (results.json's ``pace``)."""
+    if averaged:
+        return "mean of ranks (they never wait)"
+    return "slowest rank (the ranks share the cores)" if moved_no_bytes else "slowest rank"
+
+
+def repace(results: dict) -> bool:
+    """Take every method's paces again from its recorded per-rank step times (``step_ms_repeats_by_rank``) by
+    today's rule (``timing.independent``), then its ratios; True where a pace changed.  For a run recorded
+    before a rule changed (2026-12-07: ranks that never wait but share the cores were averaged): the
+    measurements are the run's, the reading today's, and ``setup.repaced`` names the commit that read them."""
+    setup, changed = results["setup"], False
+    for m in results["methods"].values():
+        by_rank = m.get("step_ms_repeats_by_rank")
+        if not by_rank:
+            return False  # recorded before the per-rank times were kept: nothing to take again
+        moved_no_bytes = m["payload_bytes_per_rank"] == 0
+        averaged = timing.independent(moved_no_bytes, setup["ranks"], setup.get("cores"))
+        paces = {bw: timing.paces(ranks, averaged) for bw, ranks in by_rank.items()}
+        if paces != m["step_ms_paces"]:
+            changed = True
+            m["step_ms_paces"], m["step_ms"] = paces, {bw: statistics.median(p) for bw, p in paces.items()}
+            m["pace"] = pace_rule(moved_no_bytes, averaged)
+    if changed:
+        add_ratios(results, setup.get("target"))
+        setup["repaced"] = {**provenance.commit(), "date": time.strftime("%Y-%m-%d")}
+    return changed
 
 
 def add_ratios(results: dict, target: Optional[float] = None) -> None:
@@ -666,6 +694,10 @@ def provenance_line(results: dict) -> str:
     if shared:
         text += (f" SHARED: other processes used the CPU during the timing at {', '.join(shared)} "
                  f"({', '.join(str(s['load'][bw].get('others_cores')) for bw in shared)} cores): those times are suspect.")
+    if s.get("repaced"):
+        by = provenance.describe(s["repaced"]["commit"], s["repaced"]["dirty"])
+        text += (f" Paces taken again from the run's per-rank times by {by} on {s['repaced']['date']}: ranks that "
+                 "never wait but share the cores are paced by the slowest, as ranks that sync.")
     if "time_steps" not in s:
         return text + " Recorded before the quality and time runs were apart: time and quality from the same runs."
     window = "the whole schedule" if s["time_steps"] == s["steps"] else f"the schedule's first {s['time_steps']} steps"
@@ -796,8 +828,13 @@ def parse_args(argv=None):
 
 
 def replot(directory: Path) -> int:
-    """Redraw a recorded run's table and pictures from its ``results.json`` (nothing is run)."""
+    """Redraw a recorded run's table and pictures from its ``results.json`` (nothing is run); where today's
+    pace rule reads its recorded per-rank times otherwise (``repace``), write the new reading into it first."""
     results = json.loads((directory / "results.json").read_text())
+    if repace(results):
+        print(f"commhooks bench --replot: paces and ratios taken again by today's rule "
+              f"({provenance.describe(results['setup']['repaced']['commit'], results['setup']['repaced']['dirty'])})")
+        (directory / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     md = table(results)
     (directory / "table.md").write_text(md + "\n")
     plots(results, directory)
@@ -881,7 +918,7 @@ def _run(args, out: Path) -> int:
     metric = WORKLOADS[args.model].metric
     for name in args.methods:
         results["methods"][name] = summarize(by_seed[args.seeds[0]][name], {bw: timed[bw][name] for bw in timed},
-                                             per_node)
+                                             per_node, results["setup"]["cores"])
     add_seed_means(results, args.seeds, {name: {seed: by_seed[seed][name][0][metric] for seed in args.seeds}
                                          for name in args.methods}, args.search_seeds)
     add_ratios(results, args.target)

@@ -32,7 +32,7 @@ import re
 import statistics
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 HIT, STARTING, ENDED = "hit training", "hit a start-up", "after the last step"
 KILL_KINDS = ("kill", "kill-node")  # noticed at once: a kill that hit an attempt is what ended it

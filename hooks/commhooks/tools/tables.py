@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 
 def _quality(x: Optional[float], metric: str) -> str:
@@ -68,4 +68,46 @@ def ab_trade(results: dict, run_dir: str, methods: Sequence[str], baseline: str 
             summary = json.loads((where / f"{name}.rank0.json").read_text())
             ab = [str(summary["config"].get("rank_cutoff")), f"{summary['report']['compression']:.2f}:1"]
         rows.append("| " + " | ".join([name, *ab, *quality_cells(results, name, baseline)]) + " |")
+    return rows
+
+
+def headline_rows(results: dict, methods: Sequence[str], labels: Optional[Dict[str, str]] = None,
+                  baseline: str = "ddp", floor: str = "compute-only") -> List[str]:
+    """A ``commhooks bench`` run under the protocol (DESIGN section 18), one row per method: its label, quality
+    on the held-out seeds, the search seeds' in brackets, the held-out seeds' mean difference from ``baseline``
+    seed by seed (a loss in %, an accuracy in points; ``(lo to hi)``: the seeds' range), syncs, the MB a rank sent across the node links (all it
+    sent on one node), that as a share of ``baseline``'s, the step time over ``floor``'s and ``baseline``'s step
+    time over this, each ``median [95 % interval]`` from the run's interleaved repeats."""
+    from . import timing
+    from .bench import compared_bytes
+
+    labels = labels or {}
+    seeds = [str(s) for s in results["setup"]["seeds"]]
+    search = {str(s) for s in results["setup"].get("search_seeds") or []}
+    held = [s for s in seeds if s not in search] or seeds
+    base = results["methods"][baseline]
+    bw = results["setup"]["bandwidths"][-1]
+    rows = []
+    for name in methods:
+        m = results["methods"][name]
+        metric = "val_loss" if m.get("val_loss") is not None else "test_acc"
+        quality = [m["quality_by_seed"][s] for s in held]
+        cells = [labels.get(name, name), _quality(sum(quality) / len(quality), metric),
+                 f"({_quality(m['quality_search_mean'], metric)})" if search else "-"]
+        if name == baseline:
+            cells.append("-")
+        else:
+            if metric == "val_loss":  # a loss: relative, in %; an accuracy: in points
+                diff, unit = [100 * (m["quality_by_seed"][s] / base["quality_by_seed"][s] - 1) for s in held], " %"
+            else:
+                diff, unit = [100 * (m["quality_by_seed"][s] - base["quality_by_seed"][s]) for s in held], " points"
+            cells.append(f"{sum(diff) / len(diff):+.1f}{unit} ({min(diff):+.1f} to {max(diff):+.1f})")
+        sent, base_sent = compared_bytes(results, m), compared_bytes(results, base)
+        cells += [str(m["syncs"]) if m.get("syncs") is not None else "-",
+                  "-" if sent is None else f"{sent / 1e6:.1f}",
+                  "-" if name == baseline or not base_sent or sent is None else f"{100 * sent / base_sent:.2f} %"]
+        paired = m.get("ratios", {}).get(bw) or {}
+        cells.append("-" if name == floor else timing.describe(paired.get("vs compute-only")))
+        cells.append("-" if name == baseline else timing.describe(paired.get("ddp over this")))
+        rows.append("| " + " | ".join(cells) + " |")
     return rows
