@@ -185,6 +185,7 @@ def test_seeds_held_out_time_windows_and_resume(tmp_path):
     assert setup["seeds"] == [0, 1] and setup["time_steps"] == 10 and setup["search_seeds"] == [0], setup
     assert setup["whole_schedule"] == ["qsr-nosync"] and setup["resumed"] is False, setup
     assert set(setup["stages"]) == {"time-unlimited", "seed0", "seed1"}, setup
+    assert setup["cpu"]["capability"] in {"DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "SVE256"} and setup["cpu"]["model"], setup
     for name in ("qsr", "qsr-constant", "qsr-power1"):
         m = results["methods"][name]
         by_seed = m["quality_by_seed"]

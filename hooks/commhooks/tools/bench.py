@@ -690,6 +690,8 @@ def provenance_line(results: dict) -> str:
     s = results["setup"]
     text = (f"One run, {provenance.describe(s.get('commit'), s.get('dirty'))}, {s.get('date', 'undated')}; "
             "config = the first 8 hex digits of its SHA-256.")
+    if s.get("cpu"):  # runs compare bit for bit only on one instruction set (provenance.machine)
+        text += f" Processor: {s['cpu']['model']}, torch's kernels {s['cpu']['capability']}."
     shared = [bw for bw, load in (s.get("load") or {}).items() if load.get("shared")]
     if shared:
         text += (f" SHARED: other processes used the CPU during the timing at {', '.join(shared)} "
@@ -891,7 +893,8 @@ def _run(args, out: Path) -> int:
                              "method_configs": args.method_configs,
                              "repeats": args.repeats, "target": args.target, "pairing": "bracketed" if timing.bracketed(args.methods, args.repeats) else "rounds",
                              "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
-                             "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), **provenance.commit(),
+                             "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "cpu": provenance.machine(),
+                             **provenance.commit(),
                              "pinned": pinned(args), "load": {}}, "methods": {}}
         for bw in args.bandwidths:  # time: interleaved repeats at each link setting
             shaping = lab.shape(bw, args.delay) if lab else "none"

@@ -34,6 +34,28 @@ def commit() -> dict:
     return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
 
 
+@functools.lru_cache(maxsize=1)
+def machine() -> dict:
+    """The processor a figure was computed on: its model name and the instruction set torch's CPU kernels
+    chose (``AVX512``, ``AVX2``, ``DEFAULT``).  Why: the same commit, seed and set-up give bit-identical
+    results on one machine and different ones on another.  DDP's GPT seed-0 loss at one clean commit
+    (results/ddp-machine-2026-12-07): 1.3760 on an AVX-512 machine's own kernels, 1.3882 with them held to
+    AVX2, where the machines of the days before gave 1.3847; the kernels' summation order follows the
+    instruction set and 1000 steps amplify it.  A results file that names its processor says which figures
+    may be compared bit for bit."""
+    model = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch  # here, not at the top: the rest of this module is read by tools that never train
+
+    return {"model": model, "capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def config_sha256(config: dict) -> str:
     """16 hex digits of a SHA-256 of the config (keys sorted): two rows with the same one ran the same settings."""
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]

@@ -55,10 +55,16 @@ def ab_layers(summary: dict) -> List[str]:
     return rows
 
 
-def ab_trade(results: dict, run_dir: str, methods: Sequence[str], baseline: str = "ddp") -> List[str]:
+def ab_trade(results: dict, run_dir: str, methods: Sequence[str], baseline: str = "ddp",
+             node_links: bool = False) -> List[str]:
     """AB's trade, one row per method of a ``commhooks bench`` run: its ``rank_cutoff``, the parameter
     compression it reached at the end of the first seed's run (``run_dir``'s rank-0 summary), then the
-    :func:`quality_cells` (quality on held-out seeds with their range, search seeds, syncs, MB, share)."""
+    :func:`quality_cells` (quality on held-out seeds with their range, search seeds, syncs, MB, share).
+    ``node_links``: for a run on several nodes, two more cells, the MB a rank sent across the node links and
+    that as a share of ``baseline``'s: an AB group inside a node averages its factor's gradient there, so
+    what crosses the nodes is AB's warm-up, full-rank steps and syncs."""
+    from .bench import compared_bytes
+
     first = results["setup"]["seeds"][0]
     where = Path(run_dir) / ("time-unlimited" if (Path(run_dir) / "time-unlimited").is_dir() else f"seed{first}")
     rows = []
@@ -67,7 +73,13 @@ def ab_trade(results: dict, run_dir: str, methods: Sequence[str], baseline: str 
         if name != baseline:
             summary = json.loads((where / f"{name}.rank0.json").read_text())
             ab = [str(summary["config"].get("rank_cutoff")), f"{summary['report']['compression']:.2f}:1"]
-        rows.append("| " + " | ".join([name, *ab, *quality_cells(results, name, baseline)]) + " |")
+        cells = [name, *ab, *quality_cells(results, name, baseline)]
+        if node_links:
+            sent, base_sent = compared_bytes(results, results["methods"][name]), \
+                compared_bytes(results, results["methods"][baseline])
+            cells += ["-" if sent is None else f"{sent / 1e6:.1f}",
+                      "-" if name == baseline or not base_sent or sent is None else f"{100 * sent / base_sent:.1f} %"]
+        rows.append("| " + " | ".join(cells) + " |")
     return rows
 
 
