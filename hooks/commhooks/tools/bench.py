@@ -473,8 +473,8 @@ def summarize(first: List[dict], timed: Dict[str, List[dict]], per_node: int = 1
 
     With several ranks per node, each rank reads its node's shared link counter: the node's bytes are the
     mean of those readings, a rank's share that over ``per_node``."""
-    averaged = timing.independent(timing.never_waits(first), len(first), cores)
-    paces = {bw: timing.paces([r["step_ms_repeats"] for r in rs], averaged) for bw, rs in timed.items()}
+    by_rank = {bw: [r["step_ms_repeats"] for r in rs] for bw, rs in timed.items()}
+    paces, rule = read_paces(by_rank, timing.never_waits(first), len(first), cores)
     wire = [r["wire_bytes_per_rank"] for r in first]
     node_tx = None if wire[0] is None else mean([w["tx"] for w in wire])
     across = mean([cross_node_payload(r.get("payload_bytes_by_group"), per_node) for r in first]) if per_node > 1 else None
@@ -492,8 +492,8 @@ def summarize(first: List[dict], timed: Dict[str, List[dict]], per_node: int = 1
         # slowest rank); the median
         "step_ms": {bw: statistics.median(p) for bw, p in paces.items()},
         "step_ms_paces": paces,
-        "step_ms_repeats_by_rank": {bw: [r["step_ms_repeats"] for r in rs] for bw, rs in timed.items()},
-        "pace": pace_rule(timing.never_waits(first), averaged),
+        "step_ms_repeats_by_rank": by_rank,
+        "pace": rule,
         "syncs": first[0].get("syncs"),
         "config": first[0]["config"],
         "config_sha256": provenance.config_sha256(first[0]["config"]),
@@ -501,11 +501,17 @@ def summarize(first: List[dict], timed: Dict[str, List[dict]], per_node: int = 1
     }
 
 
-def pace_rule(moved_no_bytes: bool, averaged: bool) -> str:
-    """How a row's pace was taken from its ranks, in words (results.json's ``pace``)."""
+def read_paces(by_rank: Dict[str, list], moved_no_bytes: bool, ranks: int,
+               cores: Optional[int]) -> Tuple[Dict[str, List[float]], str]:
+    """A method's pace per repeat at each link setting from its ranks' step times (``by_rank``: link -> per
+    rank, each repeat's time), by ``timing.independent``'s rule, and that rule in words (results.json's
+    ``pace``).  ``summarize`` reads a new run with it, ``repace`` a recorded one."""
+    averaged = timing.independent(moved_no_bytes, ranks, cores)
     if averaged:
-        return "mean of ranks (they never wait)"
-    return "slowest rank (the ranks share the cores)" if moved_no_bytes else "slowest rank"
+        rule = "mean of ranks (they never wait)"
+    else:
+        rule = "slowest rank (the ranks share the cores)" if moved_no_bytes else "slowest rank"
+    return {bw: timing.paces(times, averaged) for bw, times in by_rank.items()}, rule
 
 
 def repace(results: dict) -> bool:
@@ -518,13 +524,12 @@ def repace(results: dict) -> bool:
         by_rank = m.get("step_ms_repeats_by_rank")
         if not by_rank:
             return False  # recorded before the per-rank times were kept: nothing to take again
-        moved_no_bytes = m["payload_bytes_per_rank"] == 0
-        averaged = timing.independent(moved_no_bytes, setup["ranks"], setup.get("cores"))
-        paces = {bw: timing.paces(ranks, averaged) for bw, ranks in by_rank.items()}
+        # the mean of the ranks' payloads is 0 exactly where every rank's is (timing.never_waits)
+        paces, rule = read_paces(by_rank, m["payload_bytes_per_rank"] == 0, setup["ranks"], setup.get("cores"))
         if paces != m["step_ms_paces"]:
             changed = True
             m["step_ms_paces"], m["step_ms"] = paces, {bw: statistics.median(p) for bw, p in paces.items()}
-            m["pace"] = pace_rule(moved_no_bytes, averaged)
+            m["pace"] = rule
     if changed:
         add_ratios(results, setup.get("target"))
         setup["repaced"] = {**provenance.commit(), "date": time.strftime("%Y-%m-%d")}
