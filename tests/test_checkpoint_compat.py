@@ -5,7 +5,8 @@ make.py, runnable again): QSR with an int8 payload, error feedback, outer moment
 saved with a sync in flight; AB saved inside an AB phase (its bases exist).  After the save, that version
 trained ``AFTER`` more steps and recorded each rank's parameter checksums in expected.json.  Here today's
 ``commhooks.load_checkpoint`` loads them into a fresh run, which trains the same steps on the same data: the
-checksums must be equal, bit for bit (CPU, one thread per rank: the steps are deterministic).
+checksums must be equal, bit for bit (CPU, one thread per rank, and make.PORTABLE_ENV on both sides: the steps
+are deterministic, and the same on every x86-64 processor).
 """
 
 import importlib.util
@@ -49,10 +50,13 @@ def _resume(rank, world, folder):
     return out
 
 
-def test_a_checkpoint_of_the_landed_version_loads_and_resumes_exactly(tmp_path):
+def test_a_checkpoint_of_the_landed_version_loads_and_resumes_exactly(tmp_path, monkeypatch):
     expected = json.loads((DATA / "expected.json").read_text())
     make = _make()
     assert expected["configs"] == make.CONFIGS and expected["after"] == make.AFTER, "make.py changed: run it again"
+    assert expected["env"] == make.PORTABLE_ENV, "make.py changed: run it again"
+    for name, value in make.PORTABLE_ENV.items():  # the spawned ranks start with it, as make.py's did
+        monkeypatch.setenv(name, value)
     for kind in make.CONFIGS:  # a copy: loading must not touch the data, but nothing may write there either
         shutil.copytree(DATA / kind, tmp_path / kind)
     runs = run_ranks(_resume, expected["world"], timeout=180, folder=str(tmp_path))
