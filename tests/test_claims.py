@@ -26,11 +26,11 @@ def test_a_changed_figure_fails_naming_the_line_and_the_source(tmp_path):
     """A README line mutated as a rerun would leave it: the old figure where the data now give another."""
     readme = _copy_prose(tmp_path)
     text = readme.read_text()
-    line = next(x for x in text.splitlines() if x.startswith("| QSR, int2 (2026-12-05) |"))
-    readme.write_text(text.replace(line, line.replace("5.22x", "5.32x")))
+    line = next(x for x in text.splitlines() if x.startswith("| int2, longer QSR periods (`qsr_diloco_int2_a0125`) |"))
+    readme.write_text(text.replace(line, line.replace("15.55x", "15.65x")))
     problems = claims.check(tmp_path)
-    assert any("'5.22x'" in p and "does not say" in p for p in problems), problems
-    assert any("'5.32x' has no claim" in p for p in problems), problems
+    assert any("'15.55x" in p and "does not say" in p for p in problems), problems
+    assert any("'15.65x' has no claim" in p for p in problems), problems
 
 
 def test_a_figure_without_a_source_fails_and_setup_is_not_a_figure(tmp_path):
@@ -50,20 +50,28 @@ def test_a_figure_without_a_source_fails_and_setup_is_not_a_figure(tmp_path):
 
 
 def test_a_figure_that_is_part_of_a_claimed_one_is_not_sourced_by_it(tmp_path):
-    """"2 %" beside a claimed "+0.2 %", or "4" beside "1.4149", is a figure of its own."""
+    """"2 %" beside a claimed "0.227 %", or "4" beside "1.4149", is a figure of its own."""
     readme = _copy_prose(tmp_path)
     text = readme.read_text()
-    line = next(x for x in text.splitlines() if x.startswith("| a sync every 2 steps, int2 (2026-12-05) |"))
+    line = next(x for x in text.splitlines() if x.startswith("| int2, longer QSR periods (`qsr_diloco_int2_a0125`) |"))
     readme.write_text(text.replace(line, line + " 2 % |"))
     problems = claims.check(tmp_path)
     assert len(problems) == 1 and "'2 %' has no claim" in problems[0], problems
 
 
 def test_a_ratio_across_two_runs_must_say_so(tmp_path):
+    """A claim reading two results files (``source2``) stands only in a section that says so (``crosses``)."""
     readme = _copy_prose(tmp_path)
-    readme.write_text(readme.read_text().replace("divide two runs", "come from two files"))
-    problems = claims.check(tmp_path)
+    cross = {"file": "README.md", "line": "| DDP |", "figure": "0.919",
+             "source": "results/bench-protocol-mnist1d-2026-12-06/results.json",
+             "source2": "results/bench-gpt-1000steps-int2-2026-12-05/results.json", "crosses": "divide two runs",
+             "value": "m['ddp']['quality_heldout_mean']", "format": "{:.3f}"}
+    problems = claims.check(tmp_path, claims=claims.load() + [cross])
     assert problems and all("divides figures of two runs" in p for p in problems), problems
+    text = readme.read_text()
+    readme.write_text(text.replace("| method | test accuracy", "Its DDP row's figures divide two runs.\n\n"
+                                   "| method | test accuracy", 1))
+    assert claims.check(tmp_path, claims=claims.load() + [cross]) == []
 
 
 def test_a_generated_table_is_sourced_row_by_row_and_a_changed_cell_fails(tmp_path):
