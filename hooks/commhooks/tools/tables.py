@@ -18,6 +18,14 @@ def _quality(x: Optional[float], metric: str) -> str:
     return "-" if x is None else f"{x:.4f}" if metric == "val_loss" else f"{x:.3f}"
 
 
+def _sent_cells(sent: Optional[float], base_sent: Optional[float], is_baseline: bool, mb_digits: int = 1,
+                share_digits: int = 1) -> List[str]:
+    """Two cells: the MB a rank sent and that as a share of the baseline's ("-" where unknown, and the baseline's
+    own share)."""
+    return ["-" if sent is None else f"{sent / 1e6:.{mb_digits}f}",
+            "-" if is_baseline or not base_sent or sent is None else f"{100 * sent / base_sent:.{share_digits}f} %"]
+
+
 def quality_cells(results: dict, name: str, baseline: str = "ddp") -> List[str]:
     """A ``commhooks bench`` method's cells: quality on the held-out seeds (or every seed's mean) and its
     spread over them (min-max), the search seeds' mean in brackets where the run names search seeds, syncs, MB
@@ -31,10 +39,9 @@ def quality_cells(results: dict, name: str, baseline: str = "ddp") -> List[str]:
              f"{_quality(min(values), metric)}-{_quality(max(values), metric)}"]
     if search:
         cells.append(f"({_quality(m['quality_search_mean'], metric)})")
-    base = results["methods"][baseline]["payload_bytes_per_rank"]
-    share = m["payload_bytes_per_rank"] / base if base else None
-    return cells + [str(m["syncs"]) if m.get("syncs") is not None else "-", f"{m['payload_bytes_per_rank'] / 1e6:.2f}",
-                    "-" if name == baseline or share is None else f"{100 * share:.1f} %"]
+    return cells + [str(m["syncs"]) if m.get("syncs") is not None else "-",
+                    *_sent_cells(m["payload_bytes_per_rank"], results["methods"][baseline]["payload_bytes_per_rank"],
+                                 name == baseline, mb_digits=2)]
 
 
 def bench_quality(results: dict, methods: Sequence[str], baseline: str = "ddp") -> List[str]:
@@ -66,6 +73,7 @@ def ab_trade(results: dict, run_dir: str, methods: Sequence[str], baseline: str 
     from .bench import compared_bytes
 
     first = results["setup"]["seeds"][0]
+    base_sent = compared_bytes(results, results["methods"][baseline])
     where = Path(run_dir) / ("time-unlimited" if (Path(run_dir) / "time-unlimited").is_dir() else f"seed{first}")
     rows = []
     for name in methods:
@@ -75,10 +83,7 @@ def ab_trade(results: dict, run_dir: str, methods: Sequence[str], baseline: str 
             ab = [str(summary["config"].get("rank_cutoff")), f"{summary['report']['compression']:.2f}:1"]
         cells = [name, *ab, *quality_cells(results, name, baseline)]
         if node_links:
-            sent, base_sent = compared_bytes(results, results["methods"][name]), \
-                compared_bytes(results, results["methods"][baseline])
-            cells += ["-" if sent is None else f"{sent / 1e6:.1f}",
-                      "-" if name == baseline or not base_sent or sent is None else f"{100 * sent / base_sent:.1f} %"]
+            cells += _sent_cells(compared_bytes(results, results["methods"][name]), base_sent, name == baseline)
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 
@@ -98,6 +103,7 @@ def headline_rows(results: dict, methods: Sequence[str], labels: Optional[Dict[s
     search = {str(s) for s in results["setup"].get("search_seeds") or []}
     held = [s for s in seeds if s not in search] or seeds
     base = results["methods"][baseline]
+    base_sent = compared_bytes(results, base)
     bw = results["setup"]["bandwidths"][-1]
     rows = []
     for name in methods:
@@ -114,10 +120,8 @@ def headline_rows(results: dict, methods: Sequence[str], labels: Optional[Dict[s
             else:
                 diff, unit = [100 * (m["quality_by_seed"][s] - base["quality_by_seed"][s]) for s in held], " points"
             cells.append(f"{sum(diff) / len(diff):+.1f}{unit} ({min(diff):+.1f} to {max(diff):+.1f})")
-        sent, base_sent = compared_bytes(results, m), compared_bytes(results, base)
         cells += [str(m["syncs"]) if m.get("syncs") is not None else "-",
-                  "-" if sent is None else f"{sent / 1e6:.1f}",
-                  "-" if name == baseline or not base_sent or sent is None else f"{100 * sent / base_sent:.2f} %"]
+                  *_sent_cells(compared_bytes(results, m), base_sent, name == baseline, share_digits=2)]
         paired = m.get("ratios", {}).get(bw) or {}
         cells.append("-" if name == floor else timing.describe(paired.get("vs compute-only")))
         cells.append("-" if name == baseline else timing.describe(paired.get("ddp over this")))
