@@ -5,12 +5,17 @@ or several under ``torchrun`` with DDP or FSDP2 inside the group (torchrun resta
 its ranks dies, as torchtitan's groups do)::
 
     torchft_lighthouse --min_replicas 1 --join_timeout_ms 2000 &      # prints its address, port 29510
-    torchrun --standalone --nproc_per_node 2 --max-restarts 3 examples/torchft_groups.py 0 http://localhost:29510 out/ &
-    torchrun --standalone --nproc_per_node 2 --max-restarts 3 examples/torchft_groups.py 1 http://localhost:29510 out/
-    python examples/torchft_groups.py 2 http://localhost:29510 out/   # a group of one process: no torchrun needed
+    torchrun --standalone --nproc_per_node 2 --max-restarts 3 examples/torchft_groups.py 0 http://localhost:29510 out/ --groups 2 &
+    torchrun --standalone --nproc_per_node 2 --max-restarts 3 examples/torchft_groups.py 1 http://localhost:29510 out/ --groups 2
+
+Every group has the same number of ranks; groups of one process need no torchrun (``python
+examples/torchft_groups.py 0 ...``).  ``--groups N``: a first start waits for N groups before its first step (under
+``--min_replicas 1`` the first group up would otherwise train alone until the others join and heal from it).
 
 QSR with an outer step and int8 payloads with error feedback; ``--inner fsdp`` shards the model inside each group
-with FSDP2 instead of DDP.  Rank i of a group syncs with rank i of the others (torchft's Manager per rank).
+with FSDP2 instead of DDP.  Rank i of a group syncs with rank i of the others (torchft's Manager per rank); each
+group is seeded apart on purpose (torchft's ``init_sync`` gives every group the first group's weights, every rank of
+a group from the same group).
 ``--checkpoints DIR``: each group saves under ``DIR/group<g>`` every 50 steps; a start of the whole job resumes from
 there.  ``--die-at N``: rank ``--die-rank`` SIGKILLs itself in step N + 1, after the gradients' mean inside the group and
 before the optimizer's step (and the step's sync), in the group's first start only (what tests/test_torchft.py does
@@ -38,8 +43,7 @@ import commhooks.torchft
 STEPS, PACE_S = 240, 0.05  # paced so that a group restarted after a crash finds the others still training
 # --8<-- [start:config]
 CONFIG = {"type": "qsr", "alpha": 0.02, "h_base": 4, "warmup_steps": 10, "total_steps": STEPS, "outer_lr": 0.7,
-          "outer_momentum": 0.5, "payload": "int8", "error_feedback": True, "payload_exchange": "allgather",
-          "timeout_s": 30}
+          "outer_momentum": 0.5, "payload": "int8", "error_feedback": True, "timeout_s": 30}
 # --8<-- [end:config]
 
 p = argparse.ArgumentParser()
@@ -52,7 +56,12 @@ p.add_argument("--die-rank", type=int, default=0)
 p.add_argument("--checkpoints", default=None, help="a folder: each group saves under it every 50 steps, and a start "
                "of the whole job resumes every group from the newest step all of them committed")
 p.add_argument("--pace", type=float, default=PACE_S)
+p.add_argument("--groups", type=int, default=None, help="a first start waits for this many groups before its first "
+               "step (a run that does not depend on which group started first)")
+p.add_argument("--h-base", type=int, default=None, help="another h_base than the others' (a config that differs)")
 args = p.parse_args()
+if args.h_base is not None:
+    CONFIG["h_base"] = args.h_base
 
 # --8<-- [start:group]
 # the replica group's own process group (under torchrun: every start keyed apart), and a store for its Managers
@@ -91,7 +100,7 @@ manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), load_state
                   store_port=port, lighthouse_addr=args.lighthouse, replica_id=f"group{args.group}")
 ckpt = None if args.checkpoints is None else os.path.join(args.checkpoints, f"group{args.group}")  # a group's own
 live = commhooks.torchft.register(model, optimizer, CONFIG, manager, scheduler,  # joins; heals if behind
-                                  checkpoint_dir=ckpt, checkpoint_every=50)
+                                  checkpoint_dir=ckpt, checkpoint_every=50, wait_for_groups=args.groups)
 joined_at, joined_with, quorums = live.state.step, digest(), []
 
 
@@ -125,7 +134,8 @@ out = Path(args.out)
 out.mkdir(parents=True, exist_ok=True)
 torch.save(weights, out / f"group{args.group}.rank{rank}.pt")
 (out / f"group{args.group}.rank{rank}.json").write_text(json.dumps({
-    "resumed_from": live.resumed_from, "joined_at": joined_at, "joined_with": joined_with, "heals": live.heals, "retries": live.retries, "syncs": live.state.syncs,
+    "resumed_from": live.resumed_from, "joined_at": joined_at, "joined_with": joined_with, "heals": live.heals,
+    "healed_from": (live.healed_from or "").split(":")[0], "retries": live.retries, "syncs": live.state.syncs,
     "sync_quorums": quorums, "step": live.state.step,
     "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}))
 print(f"group {args.group} rank {rank}: {live.state.step} steps, {live.state.syncs} syncs, healed {live.heals}x, "

@@ -43,14 +43,15 @@ def join(args, model, optimizer, scheduler, conf):
     if not args.lighthouse:
         raise ValueError("--backend torchft needs --lighthouse (or TORCHFT_LIGHTHOUSE): the Lighthouse's address")
     store, host, port = fresh_store()  # new at each start of the group: no dead start's keys
-    group, _, rank, size = placement()
+    group, groups, rank, size = placement()
     timeout = timedelta(seconds=conf.timeout_s)
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
                       min_replica_size=1, use_async_quorum=False, timeout=timeout,
                       quorum_timeout=timedelta(seconds=args.quorum_timeout), connect_timeout=timeout, rank=rank,
                       world_size=size, store_addr=host, store_port=port, lighthouse_addr=args.lighthouse,
                       replica_id=f"group{group}")
-    live = live_adapter.register(model, optimizer, conf, manager, scheduler)
+    # a first start waits for every group (its run then does not depend on which group came up first)
+    live = live_adapter.register(model, optimizer, conf, manager, scheduler, wait_for_groups=groups)
     live.store = store  # alive as long as the group
     return live
 
