@@ -12,10 +12,18 @@ number of syncs*.
 
 How the comparison is made: per seed, the fixed period's quality is interpolated (linearly in log syncs, between
 the two periods around the rule's count) and subtracted from the rule's quality on that seed; the mean of those
-paired differences over the seeds, with its 95 % Student-t interval, says whether the rule's curve lies
-**above** (better: higher accuracy, lower loss), **on** (the interval holds 0) or **below** the fixed period's
-there.  Pairing by seed removes what a seed does to both (its data order and initial weights), which is most of
-the spread.  A rule point outside the periods' range of syncs is not compared (no extrapolation): sweep the
+paired differences over the seeds, with its 95 % Student-t interval, gives the verdict: **above** (better:
+higher accuracy, lower loss) or **below** where the interval excludes 0; **matches within ±m** where the whole
+interval lies inside the equivalence margin ``--margin m``, stated before the run (recorded in ``plan.json`` when
+the run starts: two one-sided tests at 2.5 % each); otherwise **not resolved**, with the smallest difference the
+run could have resolved (the interval's half-width).  A difference that is not resolved is not an equality.
+Pairing by seed removes what a seed does to both (its data order and initial weights), which is most of the
+spread.
+
+Whether the workload can tell at all: ``--reference ddp,compute-only`` runs DDP and no communication on the same
+seeds, and the table gives no communication's paired gap to DDP with its interval.  A quality comparison is worth
+making only where that gap is resolved and several times the differences in question (a workload where training
+alone scores as well as DDP cannot show what a sync buys).  A rule point outside the periods' range of syncs is not compared (no extrapolation): sweep the
 periods wide enough.
 
 Each ``--variant label=config.json`` is a base config whose other keys (payload, outer step, hierarchy, what is
@@ -94,12 +102,30 @@ def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> Optional[
     return ys[-1] if x == xs[-1] else None
 
 
-def analyse(results: dict, variants: Dict[str, dict], reference: Optional[str]) -> dict:
-    """Points, and each rule point against the fixed period at its syncs (see the module docstring)."""
+def verdict(lo: Optional[float], hi: Optional[float], margin: Optional[float]) -> str:
+    """The verdict on a paired difference's 95 % interval [lo, hi] (+ = the rule better) against the equivalence
+    ``margin`` (None: none was set before the run, so nothing is called equal)."""
+    if lo is None or hi is None:
+        return "not resolved (one seed)"
+    if lo > 0:
+        return "above"
+    if hi < 0:
+        return "below"
+    if margin is not None and -margin <= lo and hi <= margin:
+        return f"matches within ±{margin:g}"
+    return f"not resolved (could resolve ±{(hi - lo) / 2:.4g})"
+
+
+def analyse(results: dict, variants: Dict[str, dict], reference, margin: Optional[float] = None) -> dict:
+    """Points, and each rule point against the fixed period at its syncs (see the module docstring).
+    ``reference``: bench methods run on the same seeds (a name, or a list whose first is the dotted line);
+    with ``ddp`` and ``compute-only`` among them, no communication's paired gap to DDP."""
     metric = WORKLOADS[results["setup"]["model"]].metric
     sign = -1.0 if metric == "val_loss" else 1.0  # a difference > 0 is the rule doing better
     seeds = [str(s) for s in results["setup"]["seeds"]]
-    out: dict = {"metric": metric, "better": "lower" if sign < 0 else "higher", "seeds": seeds, "variants": {}}
+    references = [reference] if isinstance(reference, str) else list(reference or [])
+    out: dict = {"metric": metric, "better": "lower" if sign < 0 else "higher", "seeds": seeds, "variants": {},
+                 "margin": margin}
     for variant, point_names in variants.items():
         points = {}
         for family in ("fixed", "rule"):
@@ -122,14 +148,20 @@ def analyse(results: dict, variants: Dict[str, dict], reference: Optional[str]) 
                 compared[name] = {"syncs": p["syncs"], "verdict": "outside the periods' range"}
                 continue
             mean, lo, hi = t_interval(diffs)
-            verdict = "on" if lo is None or lo <= 0 <= hi else ("above" if lo > 0 else "below")
             compared[name] = {"syncs": p["syncs"], "diffs": diffs, "mean": mean, "lo": lo, "hi": hi,
-                              "verdict": verdict}
+                              "verdict": verdict(lo, hi, margin)}
         out["variants"][variant] = {"points": points, "rule_vs_fixed": compared}
-    if reference:
-        m = results["methods"][reference]
-        out["reference"] = {"name": reference, **seed_summary(m, seeds), "syncs": m.get("syncs"),
-                            "bytes_per_rank": m["payload_bytes_per_rank"]}
+    summaries = {name: {"name": name, **seed_summary(results["methods"][name], seeds),
+                        "syncs": results["methods"][name].get("syncs"),
+                        "bytes_per_rank": results["methods"][name]["payload_bytes_per_rank"]} for name in references}
+    if references:
+        out["reference"] = summaries[references[0]]
+        out["references"] = summaries
+    if "ddp" in summaries and "compute-only" in summaries:  # how much a sync can buy here: none's loss to DDP
+        gap = [sign * (d - c) for d, c in zip(summaries["ddp"]["by_seed"], summaries["compute-only"]["by_seed"])]
+        mean, lo, hi = t_interval(gap)
+        out["no_communication_gap"] = {"by_seed": gap, "mean": mean, "lo": lo, "hi": hi,
+                                       "resolved": lo is not None and lo > 0}
     return out
 
 
@@ -181,10 +213,19 @@ def table(curves: dict, setup: dict) -> str:
     lines = [f"# The rule against a fixed period: {setup['model']}, {setup['ranks']} ranks, {setup['steps']} steps, "
              f"{n} seeds ({setup['date']}, commit {setup.get('commit', '?')[:7]}"
              f"{' with uncommitted changes' if setup.get('dirty') else ''})", ""]
-    if "reference" in curves:
-        r = curves["reference"]
+    for r in curves.get("references", {"": curves["reference"]} if "reference" in curves else {}).values():
         lines += [f"Reference {r['name']}: {unit} {fmt(r['mean'], metric)} [{fmt(r['lo'], metric)}-"
                   f"{fmt(r['hi'], metric)}] (mean of {n} seeds, 95 % t interval).", ""]
+    gap = curves.get("no_communication_gap")
+    if gap is not None:
+        lines += [f"Whether this workload can tell: no communication against DDP, paired by seed, DDP better by "
+                  f"{fmt_diff(gap['mean'], metric)} [{fmt_diff(gap['lo'], metric)} to {fmt_diff(gap['hi'], metric)}]"
+                  f" ({'resolved' if gap['resolved'] else 'not resolved'}; a difference claimed here should be at "
+                  f"most a fifth of it, {fmt_diff(gap['mean'] / 5, metric)}).", ""]
+    margin = curves.get("margin")
+    lines += [f"Equivalence margin, set before the run: ±{margin:g} ({diff}; \"matches\" needs the whole 95 % "
+              "interval inside it)." if margin is not None else "No equivalence margin was set before this run: "
+              "nothing is called equal.", ""]
     for variant in curves["variants"]:
         lines += [f"## {variant}", "", f"| point | syncs | MB sent per rank | {unit}, mean [95 % interval] |",
                   "|---|---|---|---|", *point_rows(curves, variant), "",
@@ -229,9 +270,10 @@ def draw(curves: dict, setup: dict, path: Path) -> None:
                 text = f"{p['param']['h_base']}" if family == "fixed" else f"{p['param']['alpha']:g}"
                 ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, -10 if family == "rule" else 5),
                             fontsize=7, color=colour)
-        if "reference" in curves:
-            r = curves["reference"]
-            ax.axhline(scale * r["mean"], color="black", linestyle=":", label=f"{r['name']} (every step)")
+        for r, style in zip(curves.get("references", {"": curves.get("reference")}).values(), (":", "--")):
+            if r is not None:
+                label = f"{r['name']} (every step)" if r["name"] != "compute-only" else "no communication"
+                ax.axhline(scale * r["mean"], color="black", linestyle=style, label=label)
         ax.set_xscale("log")  # plain numbers at 1-2-5 steps (the default's 2x10^1 labels run into each other)
         syncs = [p["syncs"] for p in pts.values()]
         ticks = [t * 10 ** e for e in range(0, 7) for t in (1, 2, 5) if min(syncs) / 2 <= t * 10 ** e <= max(syncs) * 2]
@@ -268,7 +310,11 @@ def parse_args(argv=None):
     p.add_argument("--alphas", default="0.004,0.006,0.01,0.015", help="the rule's alpha values")
     p.add_argument("--h-base", default="2",
                    help="the rule's h_base (the fewest steps between syncs); a comma list sweeps alpha at each")
-    p.add_argument("--reference", default="ddp", help="a bench method drawn as the dotted line ('none': none)")
+    p.add_argument("--reference", default="ddp", help="bench methods run on the same seeds, a comma list; the first "
+                   "is drawn as the dotted line; ddp,compute-only also gives no communication's gap to DDP ('none')")
+    p.add_argument("--margin", type=float, default=None, help="the equivalence margin (accuracy as a fraction, "
+                   "loss as is), set before the run: a rule point 'matches' the periods where the whole 95 %% "
+                   "interval of its paired difference lies within ±margin")
     p.add_argument("--model", choices=tuple(WORKLOADS), default="cnn")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--nodes", type=int, default=None)
@@ -308,8 +354,9 @@ def main(argv=None) -> int:
         plan = json.loads((out / "plan.json").read_text())
     else:
         (out / "configs").mkdir(parents=True, exist_ok=True)
-        plan = {"variants": {}, "reference": None if args.reference == "none" else args.reference}
-        methods = [] if plan["reference"] is None else [plan["reference"]]
+        references = [] if args.reference == "none" else [r for r in args.reference.split(",") if r.strip()]
+        plan = {"variants": {}, "reference": references, "margin": args.margin}
+        methods = list(references)
         for variant, base in args.variant.items():
             try:
                 points = point_configs(base, args.periods, args.alphas, args.h_base)
@@ -334,7 +381,7 @@ def main(argv=None) -> int:
         if code:
             return code
     results = json.loads((out / "runs" / "results.json").read_text())
-    curves = analyse(results, plan["variants"], plan["reference"])
+    curves = analyse(results, plan["variants"], plan["reference"], plan.get("margin"))
     curves["setup"] = results["setup"]
     (out / "curves.json").write_text(json.dumps(curves, indent=2) + "\n")
     md = table(curves, results["setup"])
