@@ -170,7 +170,8 @@ def test_ab_state_takes_the_optimizer_first_and_the_old_order_with_a_warning():
 
 
 def _equivalence(rank, world, settings, steps):
-    cfg = {**SCHEDULE, "truncate_first": True, "full_rank": ["4.*"], **settings}
+    cfg = {**SCHEDULE, "full_rank": ["4.*"], **settings}
+    cfg.setdefault("truncate_first", cfg.get("first_rank", "cut") == "cut")  # (under "full" it cannot act)
     conf = ABConfig(**cfg)
     ranks, roles = make_groups(conf, world, world)
     # the reference's own subgroups, created in the same order on every rank
@@ -206,7 +207,9 @@ def declared_ab(result, rank, world, settings, steps):
     from commhooks import registry
     from commhooks.algorithms.traffic import Setting
 
-    conf = ABConfig(**{**SCHEDULE, "truncate_first": True, "full_rank": ["4.*"], **settings})
+    cfg = {**SCHEDULE, "full_rank": ["4.*"], **settings}
+    cfg.setdefault("truncate_first", cfg.get("first_rank", "cut") == "cut")
+    conf = ABConfig(**cfg)
     entries, previous = [], None
     for _, phase, _, ranks in result["log"]:
         if phase == "ab" and previous != "ab":

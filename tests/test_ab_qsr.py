@@ -77,8 +77,11 @@ def test_capped_by_total_steps_and_alpha_zero_is_plain():
     capped = ABConfig(**{**RULE, "total_steps": TOTAL})
     assert phases(TOTAL, capped, lr_of_step) == expected_phases(TOTAL, 12, 10, 2, 0.3, 6, cap=TOTAL)
     plain = ABConfig(warmup_steps=12, sync_period=10, full_rank_steps=2)
-    zero = ABConfig(warmup_steps=12, sync_period=10, full_rank_steps=2, sync_rule="qsr", alpha=0.0)
-    assert phases(TOTAL, zero, lr_of_step) == phases(TOTAL, plain)
+    tiny = ABConfig(warmup_steps=12, sync_period=10, full_rank_steps=2, sync_rule="qsr", alpha=1e-9)
+    assert phases(TOTAL, tiny, lr_of_step) == phases(TOTAL, plain)
+    # alpha 0 with h_base = sync_period is plain AB exactly, so the key that asks for the rule changes nothing
+    with pytest.raises(ConfigError, match=r"ab\.sync_rule 'qsr' has no effect here: it acts only with alpha > 0"):
+        ABConfig(warmup_steps=12, sync_period=10, full_rank_steps=2, sync_rule="qsr", alpha=0.0)
 
 
 def test_rule_settings_are_checked():
@@ -116,7 +119,7 @@ def test_hook_follows_the_rule_with_the_lr_each_phase_starts_with():
 
 def _plain_vs_zero_alpha(rank, world, extra):
     out = []
-    for rule in ({}, {"sync_rule": "qsr", "alpha": 0.0}):
+    for rule in ({}, {"sync_rule": "qsr", "alpha": 1e-9}):  # the rule's periods never above h_base: plain AB
         net = DDP(mlp())
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
         state = commhooks.ABState(opt, model=net, warmup_steps=5, sync_period=6, full_rank_steps=2, rank_cutoff=0.4,
@@ -186,7 +189,7 @@ def test_fewer_bytes_than_ab_and_qsr_alone_on_mnist1d(tmp_path):
 def _payload_run(rank, world, codec, resume_at=None):
     """AB x QSR (groups of one rank, with-stale) for 30 steps; ``resume_at``: save there, rebuild, load, go on."""
     settings = dict(warmup_steps=5, sync_period=6, full_rank_steps=2, rank_cutoff=0.4, min_compression_rate=0.0,
-                    group_size=1, sync="with-stale", sync_rule="qsr", alpha=0.0, payload=codec)
+                    group_size=1, sync="with-stale", sync_rule="qsr", alpha=1e-9, payload=codec)
 
     def build():
         net = DDP(mlp())

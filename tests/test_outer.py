@@ -209,7 +209,8 @@ def test_outer_optimizer_refuses_the_built_in_keys():
     net = _net()
     for keys, named in (({"outer_lr": 0.7}, r"qsr.outer_lr \(0.7\): the built-in"),
                         ({"outer_lr": 1.0}, r"qsr.outer_lr \(1.0\): the built-in"),  # the default, given: refused too
-                        ({"outer_nesterov": False}, r"^qsr.outer_nesterov \(False\): the built-in")):
+                        ({"outer_momentum": 0.9, "outer_nesterov": False},
+                         r"^qsr.outer_momentum \(0.9\), qsr.outer_nesterov \(False\): the built-in")):
         with pytest.raises(ConfigError, match=named):
             commhooks.QSRState(torch.optim.SGD(net.parameters(), lr=0.1), model=net, **keys,
                                outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7))

@@ -21,11 +21,11 @@ import contextvars
 import json
 import typing
 from pathlib import Path
-from typing import Any, List, Literal, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
 
 import annotated_types
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from typing_extensions import Annotated
 
 
@@ -79,6 +79,23 @@ class HookConfig(BaseModel):
     def kind(self) -> str:
         """The registered name of the algorithm (the ``type`` key)."""
         return self.type  # type: ignore[attr-defined]
+
+    def inactive_keys(self) -> Dict[str, str]:
+        """The keys that cannot act given the others, each with what it needs (``{"overlap_alpha": "with
+        overlap_steps > 0"}``); subclasses extend their parents'.  A key listed here and set to a value other
+        than its default is refused: a setting that changes nothing is a mistake the user should hear of."""
+        return {}
+
+    @model_validator(mode="after")
+    def _refuse_inactive_keys(self) -> "HookConfig":
+        prefix = _ERROR_PREFIX.get() or (f"{self.kind}." if "type" in type(self).model_fields else "")
+        fields = type(self).model_fields
+        idle = [(key, need) for key, need in self.inactive_keys().items() if key in self.model_fields_set
+                and getattr(self, key) != fields[key].get_default(call_default_factory=True)]
+        if idle:
+            raise ValueError("; ".join(f"{prefix}{key} {getattr(self, key)!r} has no effect here: it acts only {need}"
+                                       for key, need in idle) + " (set what it needs, or leave it out)")
+        return self
 
 
 # --------------------------------------------------------------------------

@@ -86,7 +86,8 @@ if hook.kind == "qsr":  # DiLoCo outer step with a compressed payload, through t
                                                "payload_rounding": "stochastic", "error_feedback": True,
                                                "payload_exchange": "two_step"})  # (all-to-all + allgather)
 if hook.kind == "ab":
-    variants["only-b"] = load_config({**to_dict(hook), "mode": "only-b"})
+    variants["only-b"] = load_config({**{k: v for k, v in to_dict(hook).items() if k != "group_size"},
+                                      "mode": "only-b"})  # (only-b's group is the world: no group_size)
     variants["groups-stale"] = load_config({**to_dict(hook), "mode": "groups", "group_size": 1, "sync": "with-stale"})
     variants["ab-x-qsr"] = load_config({**to_dict(hook), "sync_rule": "qsr", "alpha": 0.1, "h_base": 3,
                                         "payload": "int8", "payload_exchange": "two_step"})

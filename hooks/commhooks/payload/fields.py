@@ -35,6 +35,19 @@ class PayloadFields(HookConfig):
         "re-encoded means: under 2 x payload whatever the world, a second rounding, carried by error_feedback), "
         "auto (two_step from 3 ranks in the averaging group)"))
 
+    def inactive_keys(self):
+        idle = dict(super().inactive_keys())
+        ints = ("int8", "int4", "int2")
+        if self.payload not in ints:
+            idle["payload_block"] = "with payload int8, int4 or int2 (one scale per block)"
+        if self.payload not in ints and not (self.payload == "topk" and self.topk_values in ints):
+            idle["payload_rounding"] = "with payload int8, int4 or int2, or topk with int topk_values"
+        if self.payload != "topk":
+            idle.update({k: "with payload topk" for k in ("topk_density", "topk_chunk", "topk_values")})
+        if self.payload == "fp32":
+            idle["payload_exchange"] = "with a compressed payload (fp32 is averaged by one allreduce)"
+        return idle
+
     @property
     def codec(self) -> "Codec":
         """The payload's :class:`Codec`."""

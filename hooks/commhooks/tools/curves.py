@@ -77,12 +77,14 @@ def seed_summary(method: dict, seeds: Sequence[str]) -> dict:
 def point_configs(base: dict, periods: Sequence[int], alphas: Sequence[float],
                   h_bases: Sequence[int]) -> Dict[str, dict]:
     """One config per point: ``fixed-h<H>`` (``alpha 0, h_base H``) and ``rule-a<alpha>`` (``h_base`` and
-    ``alpha``; ``rule-h<h_base>-a<alpha>`` with several ``h_bases``), every other key of ``base`` kept (warm-up,
-    payload, outer step, what is averaged)."""
+    ``alpha``; ``rule-h<h_base>-a<alpha>`` with several ``h_bases``), every other key of ``base`` kept (payload,
+    outer step, what is averaged; the rule's warm-up and power only where they act)."""
     if base.get("type") != "qsr":
         raise ValueError(f"a variant's config must have \"type\": \"qsr\" (the rule and the fixed period are both "
                          f"QSR's), got type {base.get('type')!r}")
-    points = {f"fixed-h{h}": {**base, "alpha": 0.0, "h_base": int(h)} for h in periods}
+    fixed = {k: v for k, v in base.items() if k != "power" and (k != "warmup_steps" or base.get("init_h") is not None)}
+    points = {f"fixed-h{h}": {**fixed, "alpha": 0.0, "h_base": int(h)} for h in periods}  # (the rule's own keys
+    # left out: with alpha 0 they would change nothing, and a config refuses a key that changes nothing)
     for hb in h_bases:
         tag = f"rule-h{hb}-" if len(h_bases) > 1 else "rule-"
         points.update({f"{tag}a{a:g}": {**base, "alpha": float(a), "h_base": int(hb)} for a in alphas})

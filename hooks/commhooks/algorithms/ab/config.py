@@ -82,6 +82,23 @@ class ABConfig(QuadraticRuleFields, PayloadFields):
             )
         return self
 
+    def inactive_keys(self):
+        idle = dict(super().inactive_keys())
+        if self.sync_rule != "qsr":
+            idle.update({k: "with sync_rule 'qsr'" for k in ("alpha", "power", "h_base")})
+        elif self.alpha == 0.0:
+            idle["power"] = "with alpha > 0 (the rule's exponent)"
+            if self.period_base == self.sync_period:
+                idle["sync_rule"] = ("with alpha > 0 or an h_base other than sync_period (else the rule's period is "
+                                     "sync_period: plain AB)")
+        if self.mode == "only-b":
+            idle["group_size"] = "in mode 'groups' (only-b trains B on the whole world)"
+        elif self.group_size == 1:
+            idle["local_group_steps"] = "with groups of several ranks (a group of one sends nothing in an AB step)"
+        if self.first_rank == "full":
+            idle["truncate_first"] = "with first_rank 'cut' (under 'full' the first phase is not truncated)"
+        return idle
+
     @property
     def period_base(self) -> int:
         """Smallest sync-to-sync period under ``sync_rule="qsr"`` (``h_base``, default ``sync_period``)."""

@@ -134,12 +134,27 @@ class QSRConfig(QuadraticRuleFields, PayloadFields):
         "other groups, then the group's ranks share their parts inside the node (k times less traffic "
         "across nodes; Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE for local SGD)"))
 
-    @model_validator(mode="after")
-    def _decay_needs_feedback(self) -> "QSRConfig":
-        if self.error_feedback_decay != 1.0 and not self.error_feedback:
-            raise ValueError(f"error_feedback_decay {self.error_feedback_decay} decays the error-feedback residual: "
-                             "set error_feedback true with it, or leave error_feedback_decay at 1.0")
-        return self
+    def inactive_keys(self):
+        idle = dict(super().inactive_keys())
+        if self.alpha == 0.0:
+            idle["power"] = "with alpha > 0 (the rule's exponent)"
+        if self.warmup_steps == 0:
+            idle["init_h"] = "with warmup_steps > 0 (the period during the warm-up)"
+        if self.alpha == 0.0 and self.init_h is None:
+            idle["warmup_steps"] = ("with alpha > 0 (the rule starts after the warm-up) or an init_h (the period "
+                                    "during it); with neither, every period is h_base")
+        if self.outer_momentum == 0.0:
+            idle["outer_nesterov"] = "with outer_momentum > 0"
+        if self.payload == "fp32":
+            idle["error_feedback"] = "with a compressed payload (fp32 loses nothing to carry over)"
+        if not self.error_feedback:
+            idle["error_feedback_decay"] = "with error_feedback true (it decays the error-feedback residual)"
+        if self.overlap_steps == 0:
+            idle.update({k: "with overlap_steps > 0 (how an overlapped sync lands)"
+                         for k in ("overlap_merge", "overlap_alpha")})
+        if self.group_size == 1:
+            idle["hierarchical"] = "with replica groups of several ranks (group_size > 1, or null: ranks per node)"
+        return idle
 
     @property
     def pseudo_gradient(self) -> bool:

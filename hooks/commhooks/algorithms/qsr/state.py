@@ -207,6 +207,10 @@ class QSRState(QSRKept, AlgorithmState):
         if self.outer_optimizer is not None and builtin:
             raise ConfigError(f"{', '.join(f'qsr.{k} ({getattr(c, k)})' for k in builtin)}: the built-in outer step's; "
                               "with outer_optimizer= set them in that optimizer (leave the keys out)")
+        if c.outer_normalize != "none" and c.outer_momentum == 0.0 and self.outer_optimizer is None:
+            raise ConfigError(f"qsr.outer_normalize {c.outer_normalize!r} has no effect here: it acts only with an "
+                              "outer momentum (outer_momentum > 0, or an outer_optimizer= that keeps state): the "
+                              "step it scales back is the pseudo-gradient itself (set what it needs, or leave it out)")
         if self.outer_optimizer is not None and not callable(self.outer_optimizer):
             raise ConfigError("outer_optimizer must be a function params -> torch.optim optimizer, got "
                               f"{type(self.outer_optimizer).__name__}")
