@@ -81,7 +81,46 @@ def test_grad_scaler_overflow_on_one_rank_keeps_the_schedule(hook):
 
 def test_scales_that_part_without_the_scaler_are_a_warning_for_ab():
     for caught in run_ranks(_scaler, 2, timeout=120, hook=AB, overflow_at=(4,), give_scaler=False):
-        assert any("GradScaler scales differ" in m and "use_scaler" in m for m in caught), caught
+        assert any("at the sync after optimizer step 6 the ranks' GradScaler scales differ" in m and "use_scaler" in m
+                   for m in caught), caught
+
+
+def _ab_full_rank_steps(rank, world, overflow_at, unfreeze_at):
+    """AB, groups of one rank, 20 steps: the parameters (and GradScaler scales) of every rank after each full-rank
+    step, with rank 1's gradients overflowing at ``overflow_at`` and the first layer, frozen when DDP was built,
+    unfrozen at ``unfreeze_at``."""
+    model = mlp()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    net = DDP(model, forward_sync_buffers=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    state = commhooks.ddp.register(net, opt, {**AB, "sync_period": 5, "full_rank_steps": 2}, scaler=scaler)
+    after_full = []
+    for step in range(20):
+        if step == unfreeze_at:
+            for p in model[0].parameters():
+                p.requires_grad_(True)
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y) * (float("inf") if rank == 1 and step in overflow_at else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        if state.phase == "full" or state.step % 5 in (1, 2):  # the full-rank steps after each sync
+            after_full.append((state.step, flat(net), scaler.get_scale()))
+    return after_full
+
+
+def test_ab_full_rank_steps_end_identical_after_an_overflow_in_the_sync_step_and_a_layer_unfrozen():
+    """An overflow on one rank in the sync step itself (its scaler backs off only after the sync, just before the
+    full-rank steps), another in a local step, and a layer unfrozen mid-run (never in DDP's buckets): every
+    full-rank step ends with the same parameters and scale on both ranks."""
+    r0, r1 = run_ranks(_ab_full_rank_steps, 2, timeout=120, overflow_at=(5, 8), unfreeze_at=6)
+    assert [s for s, _, _ in r0] == [s for s, _, _ in r1] and len(r0) >= 4, r0
+    for (step, w0, sc0), (_, w1, sc1) in zip(r0, r1):
+        assert sc0 == sc1, (step, sc0, sc1)
+        assert torch.equal(w0, w1), (step, (w0 - w1).abs().max())
 
 
 def _scaler_matches_manual_skip(rank, world):

@@ -9,8 +9,10 @@ the step counts on every rank.  Optimizers that already support it (``fused=True
 
 A rank that overflows in a local step halves its scale alone; the next gradient-averaging steps (AB's full-rank
 steps, QSR's replica groups) would then average gradients scaled by different factors.  Each sync's step proof
-carries log2 of the rank's scale; when they differ, a state given the scaler (``state.use_scaler(scaler)``, or
-``commhooks.ddp.register(..., scaler=scaler)``) sets every rank's scale to the smallest, otherwise it warns once.
+carries log2 of the scale the rank will hold after the step's ``scaler.update()`` (an overflow in the sync step
+itself halves it only then, just before AB's full-rank steps); when they differ, a state given the scaler
+(``state.use_scaler(scaler)``, or ``commhooks.ddp.register(..., scaler=scaler)``) makes every rank end the update
+with the smallest scale and the same growth count, otherwise it warns at each sync that finds them apart.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class AmpScaling:
         self.scaler = None  # the torch.amp.GradScaler whose scale the syncs keep equal (state.use_scaler)
         self.last_scale: Optional[torch.Tensor] = None  # the scale handed to the last step (on the device)
         self.owned: List[torch.optim.Optimizer] = []
-        self.warned = False
+        self.overflowed = False  # this step's gradients overflowed here: the scaler backs off after the step
 
     def take_over(self, optimizers) -> None:
         """GradScaler then always calls these optimizers' ``step()``, and the state unscales or drops."""
@@ -52,6 +54,7 @@ class AmpScaling:
         (one host read of ``found_inf``, the one torch's own ``GradScaler.step`` makes), otherwise unscaled;
         the scaler's two attributes are set to None so the optimizer's own step does not apply them again."""
         grad_scale, found_inf = getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
+        self.overflowed = False
         if grad_scale is not None:
             self.last_scale = grad_scale.detach()  # a fresh tensor each step (scale * 1): no copy, no host read
         if found_inf is None:
@@ -62,6 +65,7 @@ class AmpScaling:
         if bool(found_inf.item()):
             for p in params:
                 p.grad = None  # torch's optimizers then leave p, its momentum and its weight decay alone
+            self.overflowed = True
             return True, True
         if grad_scale is not None:
             by_device: dict = {}
@@ -73,19 +77,34 @@ class AmpScaling:
                 torch._foreach_mul_(same, inv.to(device))
         return False, True
 
-    def equalize(self, comm, group) -> None:
-        """Every rank of ``group`` takes the smallest scale (or a warning once, without the scaler)."""
+    def proof_scale(self):
+        """The scale a sync's step proof carries: the one this rank's scaler will hold after this step's
+        ``update()`` (halved where this step overflowed here: a sync step's own overflow parts the scales only
+        after the sync, before the next gradient-averaging step), or the one handed to the last step."""
+        scaler = self.scaler
+        scale = scaler._scale if scaler is not None and scaler._scale is not None else self.last_scale
+        if scale is not None and self.overflowed:
+            scale = scale * (scaler.get_backoff_factor() if scaler is not None else 0.5)
+        return scale
+
+    def equalize(self, comm, group, step: int) -> None:
+        """Every rank of ``group`` ends this step's ``update()`` with the same scale and growth count: the smallest
+        scale, backed off everywhere if any rank overflowed in this step (or, without the scaler, a warning at
+        each sync that finds them apart: ``step`` names it)."""
         if self.scaler is None:
-            if self.averages_gradients() and not self.warned:
-                self.warned = True
+            if self.averages_gradients():
                 warnings.warn(
-                    f"{self.name}: the ranks' GradScaler scales differ (a rank overflowed during local steps); the "
-                    "next gradient-averaging steps would average gradients scaled by different factors. Pass the "
-                    "scaler: state.use_scaler(scaler) or commhooks.ddp.register(..., scaler=scaler)",
-                    stacklevel=user_stacklevel())
+                    f"{self.name}: at the sync after optimizer step {step} the ranks' GradScaler scales differ (a rank "
+                    "overflowed during local steps); the next gradient-averaging steps average gradients scaled by "
+                    "different factors and the ranks part. Pass the scaler: state.use_scaler(scaler) or "
+                    "commhooks.ddp.register(..., scaler=scaler)", stacklevel=user_stacklevel())
             return
         scale = self.scaler._scale  # GradScaler keeps it as a one-element tensor (torch's own field)
-        lowest = -scale.detach().double().reshape(1).to(comm.device)
-        comm.allreduce([lowest], op="max", group=group, tag="amp-scale", metered=False)
-        scale.copy_((-lowest).to(device=scale.device, dtype=scale.dtype).reshape(scale.shape))
-        self.scaler._growth_tracker.zero_()  # restart growth from the common scale, as after a backoff
+        seen = torch.cat([-scale.detach().double().reshape(1), torch.tensor([float(self.overflowed)],
+                                                                            dtype=torch.float64)]).to(comm.device)
+        comm.allreduce([seen], op="max", group=group, tag="amp-scale", metered=False)
+        lowest, anyone = (-seen[0]).item(), bool(seen[1].item())
+        if anyone and not self.overflowed:  # update() backs off only where the step overflowed: do it here now,
+            lowest *= self.scaler.get_backoff_factor()  # and count growth from -1 so that update() leaves it at 0
+        scale.fill_(lowest)
+        self.scaler._growth_tracker.fill_(-1 if anyone and not self.overflowed else 0)  # restart growth alike

@@ -169,8 +169,7 @@ class SyncContext:
         """This rank's step proof (on the synced tensors' device) for a sync's payload.  ``within``: the replica
         group of a sync over one rank of each; the NaN/Inf slot then counts the group's ranks (a 4-byte allgather
         in it: the path a sync takes already), so that the sync's sum counts the world's and all ranks raise."""
-        scaler = self.amp.scaler  # its scale (torch's field), else the one a GradScaler handed the last step
-        scale = scaler._scale if scaler is not None and scaler._scale is not None else self.amp.last_scale
+        scale = self.amp.proof_scale()  # the scale after this step's scaler.update()
         flag = self.guard.indicator(self.comm.device)
         if within is not None:
             flag = sum(self.comm.allgather(flag, group=within, tag="check", metered=False))
@@ -187,7 +186,7 @@ class SyncContext:
             where = tag if step == self.step else f"{tag} sent after optimizer step {step}, landed"
             self.raise_nonfinite(int(sums[_NONFINITE]), f"{where} after optimizer step {self.step}")
         if size > 1 and size * sums[_SCALE + 1] != sums[_SCALE] ** 2:
-            self.amp.equalize(self.comm, group)
+            self.amp.equalize(self.comm, group, step)
 
     def raise_nonfinite(self, ranks: Optional[int], where: str) -> None:
         """NonFiniteError: ``ranks`` of the world saw a NaN/Inf gradient (None: this rank, no count taken)."""
@@ -291,11 +290,10 @@ class StepAlignment:
         dropped = checked = False
         if getattr(optimizer, "found_inf", None) is not None or getattr(optimizer, "grad_scale", None) is not None:
             dropped, checked = self.amp.step(optimizer, params)  # a GradScaler checked these: it decides
-        if starts and state.reduces_gradients:
-            if dropped:  # no update (every rank's overflow check agrees after the engine's reduction)
-                self.reduced = set()
-            elif self.reduced:
-                self.reduce_strays()
+        if starts and state.reduces_gradients and self.reduced:
+            # a rank whose update is dropped (an overflow in a local step) still joins the strays' collectives,
+            # contributing nothing, as a joined rank does: the others' reduction must find it there
+            self.reduce_strays(shadow=dropped)
         if not checked and self.guard_step(params):
             dropped = True
         ctx.skipped_steps += dropped
