@@ -460,3 +460,29 @@ def test_lr_rebound_drops_and_ramps_back_at_each_switch():
             assert lrs[t] == pytest.approx(cosine[t]), t
         else:
             assert lrs[t] == pytest.approx(1e-5 + (cosine[t] - 1e-5) * since / 3), t
+
+
+def _ab_report(rank, world, group_size):
+    net = DDP(mlp())
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    state = commhooks.ddp.register(net, opt, {"type": "ab", "warmup_steps": 2, "sync_period": 6,
+                                              "full_rank_steps": 1, "rank_cutoff": 0.4, "min_compression_rate": 0.0,
+                                              "group_size": group_size})
+    for step in range(10):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return state.report(), state.format_report()
+
+
+def test_the_ab_report_gives_a_traffic_ratio_only_beside_what_the_ab_steps_saved():
+    """Groups of one rank: an AB step sends nothing, so the factors' parameter compression saves no traffic and the
+    report says so; groups of two: the AB steps' bytes against plain allreduce's in the same steps."""
+    report, text = run_ranks(_ab_report, 2, group_size=1)[0]
+    assert report["ab_steps"] == 7 and report["ab_step_bytes"] == 0 and report["ab_step_traffic_ratio"] is None
+    assert "AB steps: 7, sent nothing (groups of one rank" in text and "not the traffic" in text, text
+    report, text = run_ranks(_ab_report, 4, group_size=2)[0]
+    assert report["ab_step_bytes"] > 0 and report["ab_step_allreduce_bytes"] == 7 * report["allreduce_bytes"] / 10
+    ratio = report["ab_step_allreduce_bytes"] / report["ab_step_bytes"]
+    assert report["ab_step_traffic_ratio"] == round(ratio, 2) and f"({ratio:.2f}:1 less)" in text, text

@@ -538,3 +538,23 @@ def test_the_step_proof_is_float32_whatever_the_default_dtype():
         assert NonfiniteGuard(["w"]).indicator(torch.device("cpu")).dtype == torch.float32
     finally:
         torch.set_default_dtype(old)
+
+
+@pytest.mark.parametrize("hook", ["qsr", "ab"])
+def test_a_rank_whose_peer_left_says_so_itself(hook):
+    """Uneven inputs, no Join, the short rank's process ends: the rank still training stops with the collective
+    named and "a peer left the job", at a QSR sync and in AB's gradient mean through DDP's hook (which handed the
+    local gradient back as the mean, silently, before)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(repo / "tests" / "scripts" / "uneven_leave.py"), hook], env={**env, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "rank 0: finished 10 steps" in out and "rank 1: finished" not in out, out[-3000:]
+    assert "a peer left the job" in out and "Join" in out, out[-3000:]

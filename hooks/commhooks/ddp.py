@@ -52,7 +52,18 @@ def comm_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tens
     if not state.reduces_gradients:
         return _completed(buffer)
     work = state.reduce_bucket(bucket.gradients(), bucket.parameters(), flat=buffer)
-    return work.future().then(lambda fut: buffer)
+    return _landed(work, buffer)
+
+
+def _landed(work, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """The bucket's future: ``buffer`` once ``work`` is done, or its error, raised in DDP's backward (a failed
+    reduction never hands back the local gradient as if it were the mean)."""
+
+    def landed(fut):
+        fut.value()
+        return buffer
+
+    return work.future().then(landed)
 
 
 class AllreduceState:
@@ -85,8 +96,7 @@ def allreduce_hook(state: AllreduceState, bucket: dist.GradBucket) -> torch.futu
     Numerically the same as registering no hook; the baseline every method is measured against.
     """
     buffer = bucket.buffer()
-    work = state.comm.allreduce([buffer], op="mean", async_op=True, tag="grad")
-    return work.future().then(lambda fut: buffer)
+    return _landed(state.comm.allreduce([buffer], op="mean", async_op=True, tag="grad"), buffer)
 
 
 def _check_ddp(ddp_model) -> None:

@@ -220,8 +220,13 @@ class Call:
                 f"(ranks {list(self.group.ranks)}), rank {self.comm.rank}{self.comm._timeout_words(self.group)}")
 
     def failed(self, exc: BaseException) -> CollectiveError:
-        """The error to raise for what the backend raised: this call, named."""
-        return CollectiveError(f"{self.describe()} failed: {exc}")
+        """The error to raise for what the backend raised: this call, named (and, where the backend says a peer
+        closed its connection, that a peer left: the rank still here says so itself)."""
+        left = any(words in str(exc) for words in ("Connection closed by peer", "Connection reset by peer"))
+        why = (" (a peer left the job: its process ended, because it finished its data early or because it died, "
+               "which its own log says; for uneven inputs wrap the loop in "
+               "`with torch.distributed.algorithms.join.Join([ddp_model, state]):`)") if left else ""
+        return CollectiveError(f"{self.describe()} failed{why}: {exc}")
 
     def guard(self, fn: Callable, *args, keep: tuple = ()):
         """``fn(*args)``; what it raises comes out as a :class:`CollectiveError` naming this call (the types in

@@ -23,6 +23,8 @@ class ABKept:
         the factorised one (44.14:1 for VGG16). Ranks are those of the latest AB entry.
         """
         layers, total, stored = layer_compression(self._param, self.ranks)
+        sent = self.meter.by_tag().get("ab-grad", 0)
+        dense = self.ab_steps * self.parameter_set.allreduce_bytes()
         return {
             "phase": self.phase,
             "role": self.role,
@@ -31,6 +33,11 @@ class ABKept:
             "params_dense": total,
             "params_factored": stored,
             "compression": round(total / stored, 2) if stored else 1.0,
+            # what the AB steps saved: their bytes against plain allreduce's in the same steps
+            "ab_steps": self.ab_steps,
+            "ab_step_bytes": sent,
+            "ab_step_allreduce_bytes": dense,
+            "ab_step_traffic_ratio": round(dense / sent, 2) if sent else None,
         }
 
     def algorithm_memory(self) -> Dict[str, int]:
@@ -47,19 +54,35 @@ class ABKept:
         return f"phase {self.phase} | {compressed}/{len(self.ranks) or len(self.candidates)} layers compressed"
 
     def format_report(self) -> str:
+        """The report as lines: each layer's rank, the bytes of each kind of step, and a traffic ratio only beside
+        what the AB steps saved (the parameter compression is the factors' size, which saves traffic only where a
+        group of several ranks sends the factor gradients: with groups of one an AB step sends nothing at all)."""
         r = self.report()
         lines = [f"AB report: step {r['step']}, phase {r['phase']}, role {r['role']} in group {r['group']}",
                  *format_layers(r)]
         share = f" ({r['bytes_vs_allreduce']:.1%} of plain allreduce's {size(r['allreduce_bytes'])})" if (
             r["bytes_vs_allreduce"] is not None) else ""
         lines.append(f"  syncs {r['syncs']}, {size(r['bytes'])} sent{share}")
-        lines.append("  bytes by phase: " + ", ".join(f"{t}={size(b)}" for t, b in sorted(r["bytes_by_tag"].items())))
+        tags = r["bytes_by_tag"]
+        kinds = (("full-grad", "warm-up and full-rank steps"), ("ab-grad", "AB steps"), ("sync", "syncs"),
+                 ("sync-buffers", "syncs' buffers"), ("basis", "bases"))
+        lines.append("  bytes by phase: " + ", ".join(f"{words} {size(tags[t])}" for t, words in kinds if t in tags)
+                     + "".join(f", {t} {size(b)}" for t, b in sorted(tags.items()) if t not in dict(kinds)))
+        if not r["ab_steps"]:
+            lines.append("  no AB step yet")
+        elif r["ab_step_bytes"]:
+            lines.append(f"  AB steps: {r['ab_steps']}, sent {size(r['ab_step_bytes'])} where full-rank steps would "
+                         f"have sent {size(r['ab_step_allreduce_bytes'])} ({r['ab_step_traffic_ratio']:.2f}:1 less)")
+        else:
+            lines.append(f"  AB steps: {r['ab_steps']}, sent nothing (groups of one rank: each trains its factor "
+                         "alone until the sync), so the parameter compression saves no traffic here")
         return "\n".join(lines)
 
     def algorithm_state_dict(self) -> dict:
         return {
             "clock": dataclasses.asdict(self.clock),
             "last_switch": self.last_switch,
+            "ab_steps": self.ab_steps,
             "ranks": dict(self.ranks),
             "entry": None if self.entry is None else self.entry.clone(),
             "bases": {
@@ -75,6 +98,7 @@ class ABKept:
             raise ValueError(f"checkpoint has bases for parameters this model lacks: {unknown}")
         self.clock = Clock(**state["clock"])
         self.last_switch = state["last_switch"]
+        self.ab_steps = int(state.get("ab_steps", 0))  # (checkpoints written before it was kept: 0)
         self.ranks = dict(state["ranks"])
         # each layer's factors beside its weight (a model spread over devices keeps its layers where they are)
         self.bases = {n: Basis(**tensors_to(b, self._param[n].device)) for n, b in state["bases"].items()}

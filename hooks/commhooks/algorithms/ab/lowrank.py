@@ -141,7 +141,7 @@ def format_layers(report: dict) -> List[str]:
     for layer in report["layers"]:
         k = "dense" if layer["rank"] is None else f"rank {layer['rank']}"
         lines.append(f"  {layer['name']:<28} {str(tuple(layer['shape'])):<18} {k:<10} {layer['compression']:>7.2f}:1")
-    lines.append(f"  overall parameter compression {report['compression']:.2f}:1 "
-                 f"({report['params_dense']} -> {report['params_factored']})")
+    lines.append(f"  parameter compression {report['compression']:.2f}:1 ({report['params_dense']} -> "
+                 f"{report['params_factored']} parameters: the factors' size, the paper's metric, not the traffic)")
     return lines
 

@@ -113,6 +113,7 @@ class ABState(ABKept, AlgorithmState):
         self.ranks: Dict[str, Optional[int]] = {}  # rank per candidate at the last entry (None: kept dense)
         self.entry: Optional[torch.Tensor] = None  # compressed payload: the synced tensors as the AB phase began
         self.sync_buffers: Dict[str, torch.Tensor] = {}  # the compressed sync's send buffers, reused
+        self.ab_steps = 0  # optimizer steps taken in an AB phase (the report's traffic comparison)
 
     def describe(self) -> dict:
         return {"groups": self.group_ranks}
@@ -138,6 +139,7 @@ class ABState(ABKept, AlgorithmState):
 
     def after_step(self) -> None:
         """Run the transitions due before the next step."""
+        self.ab_steps += self.phase == AB
         self._advance()
         self.note_agreement()
 
