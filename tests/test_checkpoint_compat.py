@@ -6,7 +6,8 @@ saved with a sync in flight; AB saved inside an AB phase (its bases exist).  Aft
 trained ``AFTER`` more steps and recorded each rank's parameter checksums in expected.json.  Here today's
 ``commhooks.load_checkpoint`` loads them into a fresh run, which trains the same steps on the same data: the
 checksums must be equal, bit for bit (CPU, one thread per rank, and make.PORTABLE_ENV on both sides: the steps
-are deterministic, and the same on every x86-64 processor).
+are deterministic, and the same on every x86-64 processor), except AB's, whose SVD rounds differently on another
+processor vendor's LAPACK path: equal to 1e-6 there.
 """
 
 import importlib.util
@@ -69,4 +70,11 @@ def test_a_checkpoint_of_the_landed_version_loads_and_resumes_exactly(tmp_path, 
                 assert loaded["in_flight"], "the saved sync in flight was not restored"
             else:
                 assert loaded["phase"] == "ab" and loaded["bases"], loaded
-            assert out[kind] == expected["checksums"][kind][rank], (kind, rank, out[kind])
+            want = expected["checksums"][kind][rank]
+            if kind == "ab":  # AB re-bases by an SVD (LAPACK), which rounds differently across processor vendors
+                # even under PORTABLE_ENV (an AMD EPYC with AVX-512: 2e-7 relative): the same run to 1e-6 there
+                assert out[kind]["saved"] == want["saved"], (kind, rank, out[kind])
+                for key in ("sum", "abs_sum"):
+                    assert out[kind][key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), (kind, rank, out[kind])
+            else:
+                assert out[kind] == want, (kind, rank, out[kind])

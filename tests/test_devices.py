@@ -231,7 +231,8 @@ def _held(state):
 
 def _one_rank_checkpoint(rank, world, conf, steps):
     if conf["type"] == "ab":
-        conf = dict(conf, mode="only-b")  # one rank: one group, the whole world trains B
+        conf = {**{k: v for k, v in conf.items() if k != "group_size"}, "mode": "only-b"}  # one rank: one group,
+        # the whole world trains B (only-b's group is the world: group_size would change nothing, and is refused)
     net = DDP(_model(), forward_sync_buffers=False)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     state = commhooks.ddp.register(net, opt, conf)

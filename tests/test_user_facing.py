@@ -66,7 +66,7 @@ def _scenarios(rank, world):
                                    "log_every": 10}, 30, warm)
     out["ordinary"] = {"warnings": caught, "lines": lines, "report": state.report()}
     # the lr still rises after warmup_steps
-    _, caught, _ = _train({"type": "qsr", "h_base": 3, "alpha": 0.0, "warmup_steps": 4, "total_steps": 20}, 20, warm)
+    _, caught, _ = _train({"type": "qsr", "h_base": 3, "alpha": 0.001, "warmup_steps": 4, "total_steps": 20}, 20, warm)
     out["rising"] = caught
     # the rule's period grows with no total_steps: the run may end unsynced
     _, caught, _ = _train({"type": "qsr", "h_base": 2, "alpha": 0.5, "warmup_steps": 2}, 12)
@@ -82,8 +82,7 @@ def _scenarios(rank, world):
     _, caught, _ = _train({**ab, "min_compression_rate": 0.0}, 6)
     out["ab_unbounded"] = caught
     # an overlap as long as the shortest period: the sync in flight lands when the next is due
-    _, caught, _ = _train({"type": "qsr", "h_base": 2, "alpha": 0.0, "warmup_steps": 2, "total_steps": 8,
-                           "overlap_steps": 2}, 8)
+    _, caught, _ = _train({"type": "qsr", "h_base": 2, "alpha": 0.0, "total_steps": 8, "overlap_steps": 2}, 8)
     out["overlap_long"] = caught
     # every rank in one replica group: QSR is DDP with syncs that meet no one (a GPT sweep of periods, 2026-12-07)
     _, caught, _ = _train({"type": "qsr", "h_base": 2, "alpha": 0.0, "group_size": 2, "total_steps": 6}, 6)
@@ -186,7 +185,8 @@ base = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**6,
         "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 100, "total_num_steps": 900,
                                                           "warmup_max_lr": 0.01}}}
 for hook, expect in (({"type": "qsr", "h_base": 4, "alpha": 0.01}, (100, 900)),
-                     ({"type": "qsr", "h_base": 4, "warmup_steps": 7}, (7, 900))):
+                     ({"type": "qsr", "h_base": 4, "alpha": 0.01, "warmup_steps": 7}, (7, 900)),
+                     ({"type": "qsr", "h_base": 4}, (0, 900))):  # a constant period: its warm-up, idle, not filled
     m = torch.nn.Linear(4, 2)
     engine, *_ = A.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.01), config={**base, "comm_hook": hook})
     c = engine.comm_hook_state.config
@@ -214,7 +214,7 @@ def test_deepspeed_scheduler_fills_warmup_and_total_steps(tmp_path):
 def test_scheduler_fill_in_also_replaces_an_explicit_null():
     from commhooks.deepspeed import fill_from_scheduler
 
-    conf = load_config({"type": "qsr", "warmup_steps": 50, "total_steps": None})  # as the shipped configs write it
+    conf = load_config({"type": "qsr", "alpha": 0.004, "warmup_steps": 50, "total_steps": None})  # as shipped
     filled = fill_from_scheduler(conf, {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 700}}})
     assert filled == {"total_steps": 700} and conf.warmup_steps == 50
 

@@ -52,10 +52,10 @@ def fill_from_scheduler(conf, ds_config: Mapping[str, Any]) -> dict:
     warmup_key, total_key = _SCHEDULERS[kind]
     values = {"warmup": params.get(warmup_key, 1000),  # DeepSpeed's default warm-up length
               "total": params.get(total_key) if total_key else None}
-    filled = {}
-    for key, what in getattr(type(conf), "schedule_keys", {}).items():
+    filled, idle = {}, conf.inactive_keys()  # (a key that would change nothing is not filled: the warm-up of a
+    for key, what in getattr(type(conf), "schedule_keys", {}).items():  # constant period, say)
         unset = key not in conf.model_fields_set or getattr(conf, key) is None  # absent, or written as null
-        if unset and values.get(what) is not None:
+        if unset and values.get(what) is not None and key not in idle:
             setattr(conf, key, int(values[what]))
             filled[key] = int(values[what])
     if filled:

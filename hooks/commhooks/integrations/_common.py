@@ -21,10 +21,10 @@ def fill_schedule(conf, max_steps: int, warmup: int) -> dict:
     """The config's schedule keys (``schedule_keys``: total_steps, the rule's warmup_steps) left unset, from the
     Trainer's run; returns what was filled."""
     values = {"total": max_steps, "warmup": warmup}
-    filled = {}
+    filled, idle = {}, conf.inactive_keys()  # (a key that would change nothing is not filled)
     for key, what in getattr(type(conf), "schedule_keys", {}).items():
         unset = key not in conf.model_fields_set or getattr(conf, key) is None
-        if unset and values.get(what) is not None:
+        if unset and values.get(what) is not None and key not in idle:
             setattr(conf, key, int(values[what]))
             filled[key] = int(values[what])
     return filled

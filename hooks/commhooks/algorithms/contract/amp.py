@@ -77,16 +77,6 @@ class AmpScaling:
                 torch._foreach_mul_(same, inv.to(device))
         return False, True
 
-    def proof_scale(self):
-        """The scale a sync's step proof carries: the one this rank's scaler will hold after this step's
-        ``update()`` (halved where this step overflowed here: a sync step's own overflow parts the scales only
-        after the sync, before the next gradient-averaging step), or the one handed to the last step."""
-        scaler = self.scaler
-        scale = scaler._scale if scaler is not None and scaler._scale is not None else self.last_scale
-        if scale is not None and self.overflowed:
-            scale = scale * (scaler.get_backoff_factor() if scaler is not None else 0.5)
-        return scale
-
     def equalize(self, comm, group, step: int) -> None:
         """Every rank of ``group`` ends this step's ``update()`` with the same scale and growth count: the smallest
         scale, backed off everywhere if any rank overflowed in this step (or, without the scaler, a warning at
@@ -100,8 +90,8 @@ class AmpScaling:
                     "commhooks.ddp.register(..., scaler=scaler)", stacklevel=user_stacklevel())
             return
         scale = self.scaler._scale  # GradScaler keeps it as a one-element tensor (torch's own field)
-        seen = torch.cat([-scale.detach().double().reshape(1), torch.tensor([float(self.overflowed)],
-                                                                            dtype=torch.float64)]).to(comm.device)
+        seen = torch.tensor([0.0, float(self.overflowed)], dtype=torch.float64, device=comm.device)
+        seen[0] = -scale.detach().double().reshape(())
         comm.allreduce([seen], op="max", group=group, tag="amp-scale", metered=False)
         lowest, anyone = (-seen[0]).item(), bool(seen[1].item())
         if anyone and not self.overflowed:  # update() backs off only where the step overflowed: do it here now,

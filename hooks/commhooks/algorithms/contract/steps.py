@@ -169,7 +169,12 @@ class SyncContext:
         """This rank's step proof (on the synced tensors' device) for a sync's payload.  ``within``: the replica
         group of a sync over one rank of each; the NaN/Inf slot then counts the group's ranks (a 4-byte allgather
         in it: the path a sync takes already), so that the sync's sum counts the world's and all ranks raise."""
-        scale = self.amp.proof_scale()  # the scale after this step's scaler.update()
+        # the scale this rank's scaler holds after this step's update(): halved where this step overflowed here (a
+        # sync step's own overflow parts the scales only after the sync, just before the next averaging step)
+        amp, scaler = self.amp, self.amp.scaler
+        scale = scaler._scale if scaler is not None and scaler._scale is not None else amp.last_scale
+        if scale is not None and amp.overflowed:
+            scale = scale * (scaler.get_backoff_factor() if scaler is not None else 0.5)
         flag = self.guard.indicator(self.comm.device)
         if within is not None:
             flag = sum(self.comm.allgather(flag, group=within, tag="check", metered=False))

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Dict, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field
 from typing_extensions import Annotated
 
 from ...settings import HookConfig
