@@ -19,6 +19,9 @@ figure beside a 1000-step table).  So the figures of the measured sections are d
   an arg named ``*_dir`` is a path from the repository root),
   and each row it gives must stand, exactly, on one line of the file's claims sections; the figures on those
   lines are then sourced.  The docs quote the tool's own rows, so no cell is copied by hand.
+* A comparison in a claims section ("on every seed", "within about", "faster than", "matches", ...:
+  :data:`COMPARISONS`) is a claim's figure too: a value that prints the words from the data (``"on every seed" if
+  all(...) else ...``), so the words change when the data do.  Paired intervals: ``t95(differences)``.
 * A budget is not a measurement: it is worded as one ("a budget of 8 minutes") and stays outside the sections.
 """
 
@@ -55,7 +58,7 @@ SETUP = [re.compile(p) for p in (
     r"\brank \d+\b",
     r"\d+-(?:core|seed|rank|step|GPU|bit)s?\b",  # a 2-core machine, a 3-seed mean
     r"\b(?:[Ii]ssue|section|DESIGN section) #?\d+",
-    r"95 % (?:bootstrap )?interval",
+    r"95 % (?:bootstrap |t )?interval",
     r"\btorch \d+\.\d+(?:\.\d+)?(?: (?:and|to|or) \d+\.\d+)?",  # versions
     r"\bint\d\b|\btop-k\b|\bH ?= ?\d+",
     r"\b\d+ %(?= of each)",  # a top-k density, a setting
@@ -96,6 +99,23 @@ def _names(path: str, suffix: str = "") -> Dict[str, object]:
     return names
 
 
+def t95(values) -> dict:
+    """The mean of ``values`` and its 95 % Student-t interval (``mean``, ``lo``, ``hi``), for paired differences:
+    ``t95([a - b for a, b in zip(x, y)])``."""
+    sys.path.insert(0, str(REPO / "hooks"))
+    from commhooks.tools.curves import t_interval
+
+    mean, lo, hi = t_interval(list(values))
+    return {"mean": mean, "lo": lo, "hi": hi}
+
+
+# comparisons a reader acts on: in a claims section each must be a claim's computed figure on its line (a value
+# that prints the words, e.g. "on every seed" or "on 2 of 5 seeds"), never prose written beside the numbers
+COMPARISONS = re.compile(r"\b(?:on (?:every|each|all) seeds?|(?:with)?in about|faster than|slower than|"
+                         r"better than|worse than|nearer|closer to|beats?|matches|on the curve|as (?:good|fast) as|"
+                         r"equal to|no (?:better|worse)|outside the (?:seed )?noise|far outside)\b", re.I)
+
+
 def value(claim: dict) -> str:
     """The claim's figure as its source gives it today."""
     names = _names(claim["source"])
@@ -104,7 +124,8 @@ def value(claim: dict) -> str:
     # claims.toml is code, reviewed as code: eval without builtins keeps a typo from reaching the system, it is no
     # sandbox; the names are globals so a comprehension over m sees them
     got = eval(claim["value"], {"__builtins__": {"min": min, "max": max, "abs": abs, "sum": sum, "len": len,
-                                                 "dict": dict}, **names})
+                                                 "dict": dict, "all": all, "any": any, "zip": zip,
+                                                 "t95": t95}, **names})
     return claim["format"].format(**got) if isinstance(got, dict) else claim["format"].format(got)
 
 
@@ -179,6 +200,11 @@ def check(root: Path = REPO, claims: List[dict] = None, tables: List[dict] = Non
                 if fig not in stated and fig.lstrip("+-") not in stated:
                     problems.append(f"{name}:{n}: figure {fig!r} has no claim (docs/claims.toml), nor is it set-up: "
                                     f"{line.strip()[:120]}")
+            said = [f for phrase, figs in claimed.items() if phrase in line for f in figs]
+            for words in COMPARISONS.finditer(line):
+                if not any(words.group(0) in f for f in said):
+                    problems.append(f"{name}:{n}: the comparison {words.group(0)!r} is prose, not a claim: make it "
+                                    f"a claim's computed figure on this line, or drop it: {line.strip()[:120]}")
     return problems
 
 

@@ -82,8 +82,13 @@ def test_repeats_give_paired_ratios_with_an_interval(tmp_path):
         [d / (paces[2 * k + 1] * paces[2 * k + 2]) ** 0.5 for k, d in enumerate(ddp["step_ms_paces"]["unlimited"])])
     assert ratio["lo"] <= ratio["median"] <= ratio["hi"] and ratio["repeats"] == 3
     row = next(line for line in (tmp_path / "table.md").read_text().splitlines() if line.startswith("| qsr |"))
-    word = "not resolved" if ratio["lo"] <= 1.0 <= ratio["hi"] else "resolved"
-    assert f"| {ratio['median']:.2f}x [{ratio['lo']:.2f}-{ratio['hi']:.2f}] {word} |" in row, row
+    # 3 repeats: the range of the ratios and the count, no interval and no verdict (9 give one)
+    assert not ratio["resolved"] and (ratio["lo"], ratio["hi"]) == (min(ratio["ratios"]), max(ratio["ratios"]))
+    assert f"| {ratio['median']:.2f}x (range {ratio['lo']:.2f}-{ratio['hi']:.2f} of 3 repeats) |" in row, row
+    assert "resolved" not in row, row
+    # the time's window and the same steps' bytes: every step but the first, of the 20 the quick run times
+    assert qsr["timed_window"] == [2, 20] and 0 < qsr["window_payload_bytes_per_rank"] <= qsr["payload_bytes_per_rank"]
+    assert floor["window_payload_bytes_per_rank"] == 0 and qsr["window_syncs"] <= qsr["syncs"]
 
 
 def test_ranks_that_share_the_cores_are_paced_by_the_slowest_and_a_recorded_run_is_read_again():
@@ -122,15 +127,18 @@ def test_ranks_that_share_the_cores_are_paced_by_the_slowest_and_a_recorded_run_
 def test_a_ratio_is_resolved_only_when_its_interval_clears_one_and_the_target():
     """The 2026-12-06 record: the shipped MNIST-1D winner's per-repeat ratios ran from 0.85x to 1.39x, and its
     table said 1.03x.  Under the protocol that is 'not resolved'; tight repeats above 1 resolve, unless the
-    interval holds the target too."""
+    interval holds the target too; fewer than 9 repeats resolve nothing (their range, not an interval)."""
     from commhooks.tools import timing
 
-    spread = timing.paired_ratio([0.85, 1.03, 1.39, 0.95, 1.20], [1.0] * 5)
+    spread = timing.paired_ratio([0.85, 1.03, 1.39, 0.95, 1.20, 0.9, 1.1, 1.05, 1.0], [1.0] * 9)
     assert not spread["resolved"] and spread["median"] == 1.03
-    assert timing.describe(spread) == "1.03x [0.85-1.39] not resolved"
-    tight = timing.paired_ratio([1.045, 1.023, 1.047, 1.04, 1.05], [1.0] * 5)
+    assert timing.describe(spread).startswith("1.03x [") and timing.describe(spread).endswith("] not resolved")
+    tight = timing.paired_ratio([1.045, 1.023, 1.047, 1.04, 1.05, 1.043, 1.038, 1.046, 1.041], [1.0] * 9)
     assert tight["resolved"] and 1.0 < tight["lo"] <= tight["median"] <= tight["hi"] <= 1.05
-    assert not timing.paired_ratio([1.045, 1.023, 1.047, 1.04, 1.05], [1.0] * 5, targets=(1.0, 1.04))["resolved"]
+    assert not timing.paired_ratio([1.045, 1.023, 1.047, 1.04, 1.05, 1.043, 1.038, 1.046, 1.041], [1.0] * 9,
+                                   targets=(1.0, 1.04))["resolved"]
+    five = timing.paired_ratio([1.06, 1.023, 1.047, 1.04, 1.05], [1.0] * 5)
+    assert not five["resolved"] and timing.describe(five) == "1.05x (range 1.02-1.06 of 5 repeats)"
     assert timing.pace([4.62, 7.10], independent=True) == pytest.approx(5.86)  # ranks that never wait: the mean
     assert timing.pace([4.62, 7.10], independent=False) == 7.10  # ranks that sync: the slowest
     with pytest.raises(ValueError, match="paired repeats differ"):

@@ -107,3 +107,37 @@ def test_headline_rows_of_a_protocol_run_hold_its_held_out_quality_paired_differ
     assert floor.startswith("| compute-only | 0.917 | (0.912) | -0.2 points (-1.2 to +0.8) | - | 0.0 | 0.00 % | - | 18.78x [18.00-20.44] resolved |"), floor
     assert int2 == ("| int2 | 0.932 | (0.939) | +1.4 points (+1.3 to +1.4) | 41 | 2.1 | 0.23 % | "
                     "1.21x [1.13-1.30] resolved | 15.55x [13.42-17.81] resolved |"), int2
+
+
+def test_fewer_than_nine_repeats_print_a_range_and_never_resolved(tmp_path):
+    """An interval from 3 repeats is their range, which covers the median far less often than 95 %: the cell says
+    the range and the count, the ratio is not resolved, and a table row edited to say "resolved" fails."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "hooks"))
+    from commhooks.tools import timing
+
+    few = timing.paired_ratio([2.0, 2.2, 2.1], [1.0, 1.0, 1.0])
+    assert few["resolved"] is False and few["interval"] == "range" and (few["lo"], few["hi"]) == (2.0, 2.2)
+    assert timing.describe(few) == "2.10x (range 2.00-2.20 of 3 repeats)"
+    nine = timing.paired_ratio([2.0 + 0.01 * k for k in range(9)], [1.0] * 9)
+    assert nine["resolved"] is True and timing.describe(nine).endswith(" resolved")
+    readme = _copy_prose(tmp_path)
+    text = readme.read_text()
+    line = next(x for x in text.splitlines() if x.startswith("| DDP (every step) |"))
+    assert "of 3 repeats)" in line, line
+    edited = line.replace("7.68x (range 7.40-8.26 of 3 repeats)", "7.68x [7.40-8.26] resolved")
+    readme.write_text(text.replace(line, edited))
+    problems = claims.check(tmp_path)
+    assert any("is on 0 lines" in p and "DDP (every step)" in p for p in problems), problems
+
+
+def test_a_comparison_in_prose_without_a_claim_fails(tmp_path):
+    """"on every seed", "within about", "faster than" in a claims section must be a claim's computed figure."""
+    readme = _copy_prose(tmp_path)
+    text = readme.read_text()
+    readme.write_text(text.replace("<!-- /claims -->", "A sync every 2 steps comes nearer DDP's loss on every seed.\n"
+                                   "<!-- /claims -->", 1))
+    problems = claims.check(tmp_path)
+    assert any("the comparison 'on every seed' is prose, not a claim" in p for p in problems), problems
+    assert any("the comparison 'nearer' is prose, not a claim" in p for p in problems), problems

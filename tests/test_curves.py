@@ -36,12 +36,12 @@ def test_a_short_sweep_runs_each_point_and_compares_the_rule_at_its_syncs(tmp_pa
     assert points["fp32.rule-h2-a0.02"]["by_seed"] == points["fp32.fixed-h2"]["by_seed"]
     compared = curves["variants"]["fp32"]["rule_vs_fixed"]
     assert compared["fp32.rule-h2-a0.02"]["diffs"] == [0.0, 0.0]
-    assert compared["fp32.rule-h2-a0.02"]["verdict"] == "matches within ±0.005"
+    assert compared["fp32.rule-h2-a0.02"]["verdict"] == "matches within ±0.50 points"
     assert len(compared["fp32.rule-h4-a0.02"]["diffs"]) == 2, compared
     assert curves["reference"]["name"] == "ddp" and len(curves["reference"]["by_seed"]) == 2
     gap = curves["no_communication_gap"]
     assert len(gap["by_seed"]) == 2 and "Whether this workload can tell" in (tmp_path / "curves.md").read_text()
-    assert "Equivalence margin, set before the run: ±0.005" in (tmp_path / "curves.md").read_text()
+    assert "Equivalence margin, set before the run: ±0.50 points" in (tmp_path / "curves.md").read_text()
     fixed8 = json.loads((tmp_path / "configs" / "fp32.fixed-h8.json").read_text())
     assert fixed8["alpha"] == 0.0 and fixed8["h_base"] == 8 and fixed8["average_buffers"] is True
     assert (tmp_path / "curves.png").stat().st_size > 0 and "| fp32.rule-h4-a0.02 | 5 |" in (
@@ -92,11 +92,11 @@ def test_the_verdict_pairs_seeds_and_knows_which_way_is_better():
     # margin set before the run, and with one only where the whole interval lies inside it
     values = [0.87, 0.84, 0.85], [0.8, 0.81, 0.79], [0.9, 0.91, 0.89]
     mixed = analyse(synthetic("test_acc", *values), PLAN, None)["variants"]["v"]["rule_vs_fixed"]["v.rule-a0.01"]
-    assert mixed["verdict"] == f"not resolved (could resolve ±{(mixed['hi'] - mixed['lo']) / 2:.4g})", mixed
+    assert mixed["verdict"] == f"not resolved (could resolve ±{50 * (mixed['hi'] - mixed['lo']):.2f} points)", mixed
     wide = analyse(synthetic("test_acc", *values), PLAN, None, margin=0.01)
     assert wide["variants"]["v"]["rule_vs_fixed"]["v.rule-a0.01"]["verdict"].startswith("not resolved")
     broad = analyse(synthetic("test_acc", *values), PLAN, None, margin=0.1)
-    assert broad["variants"]["v"]["rule_vs_fixed"]["v.rule-a0.01"]["verdict"] == "matches within ±0.1"
+    assert broad["variants"]["v"]["rule_vs_fixed"]["v.rule-a0.01"]["verdict"] == "matches within ±10.00 points"
 
 
 def test_bad_input_is_refused_naming_what_is_wrong(tmp_path):

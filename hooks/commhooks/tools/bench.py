@@ -474,6 +474,7 @@ def summarize(first: List[dict], timed: Dict[str, List[dict]], per_node: int = 1
     With several ranks per node, each rank reads its node's shared link counter: the node's bytes are the
     mean of those readings, a rank's share that over ``per_node``."""
     by_rank = {bw: [r["step_ms_repeats"] for r in rs] for bw, rs in timed.items()}
+    clock = next(iter(timed.values()), [])  # a timing run's ranks: its window's bytes (the same at every link)
     paces, rule = read_paces(by_rank, timing.never_waits(first), len(first), cores)
     wire = [r["wire_bytes_per_rank"] for r in first]
     node_tx = None if wire[0] is None else mean([w["tx"] for w in wire])
@@ -495,8 +496,18 @@ def summarize(first: List[dict], timed: Dict[str, List[dict]], per_node: int = 1
         "step_ms_repeats_by_rank": by_rank,
         "pace": rule,
         "syncs": first[0].get("syncs"),
+        # the timed window (steps a..b, from 1) and what the method sent in those same steps: the time ratios
+        # divide the time of these steps, so the bytes beside them are these steps' (whole-run totals above)
+        "timed_window": clock[0].get("window") if clock else None,
+        "window_payload_bytes_per_rank": mean([r.get("window_payload_bytes_per_rank") for r in clock]) if clock
+        else None,
+        "window_cross_node_payload_bytes_per_rank": mean([cross_node_payload(r.get("window_payload_bytes_by_group"),
+                                                                             per_node) for r in clock])
+        if clock and per_node > 1 else None,
+        "window_syncs": clock[0].get("window_syncs") if clock else None,
         "config": first[0]["config"],
-        "config_sha256": provenance.config_sha256(first[0]["config"]),
+        "method": first[0].get("method"),
+        "config_sha256": first[0].get("config_sha256") or provenance.config_sha256(first[0]["config"]),
         "commit": first[0].get("commit"),
     }
 
@@ -714,9 +725,13 @@ def provenance_line(results: dict) -> str:
     bracketed = (", each between two compute-only runs; ratios paired per repeat (against compute-only: the "
                  "geometric mean of the runs around it)" if s.get("pairing") == "bracketed" else
                  "; ratios paired per repeat")
+    first = "after its first step" if s.get("window_rule") == "after the first step" else "after its first tenth"
+    verdict = (f"median [95 % bootstrap interval], resolved where the interval clears 1.0"
+               f"{' and the target ' + str(s['target']) if s.get('target') else ''}" if s.get("repeats", 1) >=
+               timing.MIN_REPEATS else f"median (the range of the {s.get('repeats', 1)} repeats: too few for an "
+               f"interval, at least {timing.MIN_REPEATS} give one; no verdict)")
     return (text + f" Time: {s.get('repeats', 1)} interleaved repeat(s) of {window} per link setting, each timed "
-            f"after its first tenth{bracketed}, median [95 % bootstrap interval], resolved where "
-            f"the interval clears 1.0{' and the target ' + str(s['target']) if s.get('target') else ''}. "
+            f"{first}{bracketed}, {verdict}; the bytes beside a time are the same steps'. "
             f"Quality: full runs on an unlimited link, seed(s) {', '.join(map(str, seeds))}"
             + (f"; the configurations were chosen on seeds {', '.join(map(str, s['search_seeds']))}."
                if s.get("search_seeds") else "."))
@@ -777,6 +792,9 @@ def parse_args(argv=None):
                    help="run each method this many times per link setting, interleaved: each repeat gives a paired "
                         "ratio against compute-only and DDP, the table their median and 95 %% interval (and 'not "
                         "resolved' where it holds 1.0); default 15, 1 with --quick")
+    p.add_argument("--stages", choices=("all", "quality"), default="all",
+                   help="quality: run only the seeds' quality stages and stop (they need no quiet machine); then "
+                        "--stages all --resume at the same commit reuses them and runs the timing")
     p.add_argument("--pin", choices=("auto", "off"), default="auto",
                    help="auto: each rank pinned to a core of its own where the ranks fit on the cores (recorded)")
     p.add_argument("--bandwidths", default=",".join(BANDWIDTHS), help="comma list of tc rates at which to time the methods")
@@ -897,24 +915,36 @@ def _run(args, out: Path) -> int:
                              "seed": args.seed, "seeds": args.seeds, "search_seeds": args.search_seeds,
                              "method_configs": args.method_configs,
                              "repeats": args.repeats, "target": args.target, "pairing": "bracketed" if timing.bracketed(args.methods, args.repeats) else "rounds",
+                             "window_rule": "after the first step",
                              "bandwidths": args.bandwidths, "delay": args.delay, "network": network,
                              "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "cpu": provenance.machine(),
                              **provenance.commit(),
                              "pinned": pinned(args), "load": {}}, "methods": {}}
-        for bw in args.bandwidths:  # time: interleaved repeats at each link setting
-            shaping = lab.shape(bw, args.delay) if lab else "none"
-            results["setup"].setdefault("shaping", {})[bw] = shaping
-            print(f"[bench] link {bw}: {shaping} ({network}), {args.repeats} repeat(s)", flush=True)
-            timed[bw] = run_bandwidth(args.methods, args, lab, out / f"time-{bw}", args.timeout,
-                                      stop_after=args.time_steps, resume=args.resume)
-            results["setup"]["load"][bw] = json.loads((out / f"time-{bw}" / "done.json").read_text())["load"]
+        def time_stages():
+            for bw in args.bandwidths:  # time: interleaved repeats at each link setting
+                shaping = lab.shape(bw, args.delay) if lab else "none"
+                results["setup"].setdefault("shaping", {})[bw] = shaping
+                print(f"[bench] link {bw}: {shaping} ({network}), {args.repeats} repeat(s)", flush=True)
+                timed[bw] = run_bandwidth(args.methods, args, lab, out / f"time-{bw}", args.timeout,
+                                          stop_after=args.time_steps, resume=args.resume)
+                results["setup"]["load"][bw] = json.loads((out / f"time-{bw}" / "done.json").read_text())["load"]
+
+        def quality_stages():
+            for seed in [x for x in args.seeds if x not in by_seed]:  # full runs: the link does not change them
+                shaping = lab.shape("unlimited", args.delay) if lab else "none"
+                print(f"[bench] seed {seed}: quality runs, link unlimited ({shaping})", flush=True)
+                by_seed[seed] = run_bandwidth(args.methods, args, lab, out / f"seed{seed}",
+                                              args.timeout / args.repeats, seed=seed, repeats=1, resume=args.resume)
+
+        if args.stages == "quality":  # the quality stages alone (the time later, on a quiet machine: --resume)
+            quality_stages()
+            print(f"[bench] quality stages done in {out}; run again with --stages all --resume for the time",
+                  flush=True)
+            return 0
+        time_stages()
         if "unlimited" in timed and args.time_steps == args.steps:  # a whole run of the first seed, unlimited
             by_seed[args.seeds[0]] = timed["unlimited"]
-        for seed in [x for x in args.seeds if x not in by_seed]:  # quality: full runs, the link does not change it
-            shaping = lab.shape("unlimited", args.delay) if lab else "none"
-            print(f"[bench] seed {seed}: quality runs, link unlimited ({shaping})", flush=True)
-            by_seed[seed] = run_bandwidth(args.methods, args, lab, out / f"seed{seed}", args.timeout / args.repeats,
-                                          seed=seed, repeats=1, resume=args.resume)
+        quality_stages()
     finally:
         if lab:
             lab.__exit__()

@@ -104,9 +104,10 @@ def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> Optional[
     return ys[-1] if x == xs[-1] else None
 
 
-def verdict(lo: Optional[float], hi: Optional[float], margin: Optional[float]) -> str:
+def verdict(lo: Optional[float], hi: Optional[float], margin: Optional[float], metric: str = "val_loss") -> str:
     """The verdict on a paired difference's 95 % interval [lo, hi] (+ = the rule better) against the equivalence
-    ``margin`` (None: none was set before the run, so nothing is called equal)."""
+    ``margin`` (None: none was set before the run, so nothing is called equal); sizes in the table's unit (a loss
+    as is, an accuracy in points)."""
     if lo is None or hi is None:
         return "not resolved (one seed)"
     if lo > 0:
@@ -114,8 +115,13 @@ def verdict(lo: Optional[float], hi: Optional[float], margin: Optional[float]) -
     if hi < 0:
         return "below"
     if margin is not None and -margin <= lo and hi <= margin:
-        return f"matches within ±{margin:g}"
-    return f"not resolved (could resolve ±{(hi - lo) / 2:.4g})"
+        return f"matches within ±{fmt_size(margin, metric)}"
+    return f"not resolved (could resolve ±{fmt_size((hi - lo) / 2, metric)})"
+
+
+def fmt_size(x: float, metric: str) -> str:
+    """A size of difference: a loss to 4 places, an accuracy in points to 2."""
+    return f"{x:.4f}" if metric == "val_loss" else f"{100 * x:.2f} points"
 
 
 def analyse(results: dict, variants: Dict[str, dict], reference, margin: Optional[float] = None) -> dict:
@@ -151,7 +157,7 @@ def analyse(results: dict, variants: Dict[str, dict], reference, margin: Optiona
                 continue
             mean, lo, hi = t_interval(diffs)
             compared[name] = {"syncs": p["syncs"], "diffs": diffs, "mean": mean, "lo": lo, "hi": hi,
-                              "verdict": verdict(lo, hi, margin)}
+                              "verdict": verdict(lo, hi, margin, metric)}
         out["variants"][variant] = {"points": points, "rule_vs_fixed": compared}
     summaries = {name: {"name": name, **seed_summary(results["methods"][name], seeds),
                         "syncs": results["methods"][name].get("syncs"),
@@ -225,8 +231,8 @@ def table(curves: dict, setup: dict) -> str:
                   f" ({'resolved' if gap['resolved'] else 'not resolved'}; a difference claimed here should be at "
                   f"most a fifth of it, {fmt_diff(gap['mean'] / 5, metric)}).", ""]
     margin = curves.get("margin")
-    lines += [f"Equivalence margin, set before the run: ±{margin:g} ({diff}; \"matches\" needs the whole 95 % "
-              "interval inside it)." if margin is not None else "No equivalence margin was set before this run: "
+    lines += [f"Equivalence margin, set before the run: ±{fmt_size(margin, metric)} (\"matches\" needs the whole "
+              "95 % interval inside it)." if margin is not None else "No equivalence margin was set before this run: "
               "nothing is called equal.", ""]
     for variant in curves["variants"]:
         lines += [f"## {variant}", "", f"| point | syncs | MB sent per rank | {unit}, mean [95 % interval] |",

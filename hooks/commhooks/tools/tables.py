@@ -65,22 +65,32 @@ def ab_layers(summary: dict) -> List[str]:
 def ab_trade(results: dict, run_dir: str, methods: Sequence[str], baseline: str = "ddp",
              node_links: bool = False) -> List[str]:
     """AB's trade, one row per method of a ``commhooks bench`` run: its ``rank_cutoff``, the parameter
-    compression it reached at the end of the first seed's run (``run_dir``'s rank-0 summary), then the
-    :func:`quality_cells` (quality on held-out seeds with their range, search seeds, syncs, MB, share).
+    compression it reached at the end of each held-out seed's run (``run_dir``'s rank-0 summaries: the seeds the
+    quality comes from; their mean and range), then the :func:`quality_cells` (quality on held-out seeds with their
+    range, search seeds, syncs, MB, share).
     ``node_links``: for a run on several nodes, two more cells, the MB a rank sent across the node links and
     that as a share of ``baseline``'s: an AB group inside a node averages its factor's gradient there, so
     what crosses the nodes is AB's warm-up, full-rank steps and syncs."""
     from .bench import compared_bytes
 
-    first = results["setup"]["seeds"][0]
+    seeds = results["setup"]["seeds"]
+    search = set(results["setup"].get("search_seeds") or [])
+    held = [x for x in seeds if x not in search] or seeds
     base_sent = compared_bytes(results, results["methods"][baseline])
-    where = Path(run_dir) / ("time-unlimited" if (Path(run_dir) / "time-unlimited").is_dir() else f"seed{first}")
+
+    def summary(name: str, seed: int) -> dict:  # the first seed's full run may be the unlimited timing run
+        where = Path(run_dir) / f"seed{seed}"
+        if seed == seeds[0] and not where.is_dir():
+            where = Path(run_dir) / "time-unlimited"
+        return json.loads((where / f"{name}.rank0.json").read_text())
+
     rows = []
     for name in methods:
         ab = ["-", "-"]
         if name != baseline:
-            summary = json.loads((where / f"{name}.rank0.json").read_text())
-            ab = [str(summary["config"].get("rank_cutoff")), f"{summary['report']['compression']:.2f}:1"]
+            ratios = [summary(name, x)["report"]["compression"] for x in held]
+            ab = [str(summary(name, held[0])["config"].get("rank_cutoff")),
+                  f"{sum(ratios) / len(ratios):.2f}:1 ({min(ratios):.2f}-{max(ratios):.2f})"]
         cells = [name, *ab, *quality_cells(results, name, baseline)]
         if node_links:
             cells += _sent_cells(compared_bytes(results, results["methods"][name]), base_sent, name == baseline)
@@ -89,12 +99,14 @@ def ab_trade(results: dict, run_dir: str, methods: Sequence[str], baseline: str 
 
 
 def headline_rows(results: dict, methods: Sequence[str], labels: Optional[Dict[str, str]] = None,
-                  baseline: str = "ddp", floor: str = "compute-only") -> List[str]:
+                  baseline: str = "ddp", floor: str = "compute-only", window_columns: bool = False) -> List[str]:
     """A ``commhooks bench`` run under the protocol (DESIGN section 18), one row per method: its label, quality
     on the held-out seeds, the search seeds' in brackets, the held-out seeds' mean difference from ``baseline``
     seed by seed (a loss in %, an accuracy in points; ``(lo to hi)``: the seeds' range), syncs, the MB a rank sent across the node links (all it
     sent on one node), that as a share of ``baseline``'s, the step time over ``floor``'s and ``baseline``'s step
-    time over this, each ``median [95 % interval]`` from the run's interleaved repeats."""
+    time over this, each ``median [95 % interval]`` from the run's interleaved repeats.  ``window_columns``: after
+    the whole run's syncs and bytes, the timed steps and the syncs and MB (across the node links) in those same
+    steps, which the times cover (a run recorded before windows were kept has none)."""
     from . import timing
     from .bench import compared_bytes
 
@@ -122,6 +134,14 @@ def headline_rows(results: dict, methods: Sequence[str], labels: Optional[Dict[s
             cells.append(f"{sum(diff) / len(diff):+.1f}{unit} ({min(diff):+.1f} to {max(diff):+.1f})")
         cells += [str(m["syncs"]) if m.get("syncs") is not None else "-",
                   *_sent_cells(compared_bytes(results, m), base_sent, name == baseline, share_digits=2)]
+        if window_columns:  # the steps the times cover, and what the method sent in those same steps
+            window = m.get("timed_window")
+            sent = m.get("window_cross_node_payload_bytes_per_rank")
+            if sent is None:
+                sent = m.get("window_payload_bytes_per_rank")
+            cells += ["-" if window is None else f"{window[0]}-{window[1]}",
+                      "-" if m.get("window_syncs") is None else str(m["window_syncs"]),
+                      "-" if sent is None else f"{sent / 1e6:.1f}"]
         paired = m.get("ratios", {}).get(bw) or {}
         cells.append("-" if name == floor else timing.describe(paired.get("vs compute-only")))
         cells.append("-" if name == baseline else timing.describe(paired.get("ddp over this")))

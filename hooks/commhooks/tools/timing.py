@@ -14,8 +14,10 @@ never wait for each other, can land anywhere from 0.85x to 1.39x for the same co
   speed (on 2026-12-06 it drifted by 60 % in 8 minutes with nothing else running; bracketing cut the intervals
   of a 25-repeat run from +-5-6 % to +-2-4 %).  Each repeat gives one ratio; the figure is the median of them.
 * **An interval.** A 95 % percentile bootstrap of the median over the repeats (resampled with a fixed seed, so a
-  rerun of the table prints the same interval).  With 5 repeats it is about the range of the ratios (each end
-  is the median of a resample more than 2.5 % of the time); with 9 it spans about the 2nd to the 8th.
+  rerun of the table prints the same interval), from :data:`MIN_REPEATS` repeats on: with 9 it spans about the
+  2nd to the 8th ratio.  With fewer it would be about the range of the ratios, which covers the median far less
+  often than 95 % (3 repeats: about 75 %), so a run of fewer repeats prints the range and the count, never an
+  interval, and resolves nothing.
 * **Resolved or not.** A ratio whose interval holds 1.0 (or a stated target) cannot be told from it: the table
   says "not resolved" instead of letting a median pass for a result.
 
@@ -28,6 +30,8 @@ from __future__ import annotations
 import random
 import statistics
 from typing import Dict, List, Optional, Sequence, Tuple
+
+MIN_REPEATS = 9  # the fewest repeats whose bootstrap interval of the median is published (fewer: the range)
 
 
 def never_waits(ranks: Sequence[dict]) -> bool:
@@ -76,9 +80,13 @@ def paired_ratio(method: Sequence[float], baseline: Sequence[float], targets: Se
     if len(method) != len(baseline):
         raise ValueError(f"paired repeats differ in number: {len(method)} and {len(baseline)}")
     ratios = [m / b for m, b in zip(method, baseline)]
+    if len(ratios) < MIN_REPEATS:  # too few for an interval that covers: the range, and no verdict
+        return {"median": statistics.median(ratios), "lo": min(ratios), "hi": max(ratios), "ratios": ratios,
+                "repeats": len(ratios), "interval": "range", "resolved": False}
     median, lo, hi = median_interval(ratios)
-    resolved = len(ratios) > 1 and not any(lo <= t <= hi for t in targets)
-    return {"median": median, "lo": lo, "hi": hi, "ratios": ratios, "repeats": len(ratios), "resolved": resolved}
+    resolved = not any(lo <= t <= hi for t in targets)
+    return {"median": median, "lo": lo, "hi": hi, "ratios": ratios, "repeats": len(ratios),
+            "interval": "95 % bootstrap", "resolved": resolved}
 
 
 def bracketed(methods: Sequence[str], repeats: int, floor: str = "compute-only") -> bool:
@@ -122,10 +130,14 @@ def bracketed_ratio(method: Sequence[float], floor: Sequence[float], around: Seq
 
 
 def describe(ratio: Optional[Dict]) -> str:
-    """A table cell: ``1.05x [1.02-1.08] resolved``, or ``not resolved`` where the interval holds 1.0 or a target."""
+    """A table cell: ``1.05x [1.02-1.08] resolved``, or ``not resolved`` where the interval holds 1.0 or a target;
+    with fewer than :data:`MIN_REPEATS` repeats ``1.05x (range 1.01-1.09 of 3 repeats)``, no verdict."""
     if ratio is None:
         return "-"
     if ratio["repeats"] == 1:
         return f"{ratio['median']:.2f}x (1 repeat)"
+    if ratio["repeats"] < MIN_REPEATS:
+        ratios = ratio.get("ratios") or [ratio["lo"], ratio["hi"]]
+        return f"{ratio['median']:.2f}x (range {min(ratios):.2f}-{max(ratios):.2f} of {ratio['repeats']} repeats)"
     cell = f"{ratio['median']:.2f}x [{ratio['lo']:.2f}-{ratio['hi']:.2f}]"
     return cell + (" resolved" if ratio["resolved"] else " not resolved")

@@ -404,15 +404,20 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
     wire_before = iface_bytes(args.wire_iface)
     counter = PayloadCounter()
     start = time.perf_counter()
-    # the steady-state window: the steps after the first tenth (start-up, first syncs, allocator warm-up)
+    # the timed window: every step but the run's first (the process group's and DDP's one-off set-up, the same for
+    # every method); its time, bytes and syncs are counted over the same steps (DESIGN section 18: one window)
     last = args.steps if args.stop_after is None else args.stop_after  # a timing window: the schedule's first steps
-    window_from = first_step + max(1, (last - first_step) // 10)
+    window_from = first_step + 1 if last - first_step > 1 else None
     window_start = window_end = None
+    window_bytes = window_syncs = 0
+    window_groups: dict = {}
     # every torch.distributed collective of the run, whoever issues it; `with state:` ends the run synced
     with counter, (state if isinstance(state, AlgorithmState) else contextlib.nullcontext()):
         for step in range(first_step, last):
             if step == window_from:
                 window_start = time.perf_counter()
+                window_bytes, window_syncs = counter.bytes, getattr(state, "syncs", 0)
+                window_groups = dict(counter.by_group)
             loss, lr = train_step([next(batches) for _ in range(accumulation)])
             losses.append(loss)
             del losses[:-50]  # the summary's train loss is the mean of the last 50
@@ -456,16 +461,27 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         if args.backend != "horovod" else None,
         "wire_bytes_per_rank": None if wire_before is None else {k: wire_after[k] - wire_before[k] for k in wire_before},
         "step_ms": round(1000 * wall / max(1, last - first_step), 3),
-        # the steps after the first tenth only: what the bench's paired ratios compare (None: too short a run)
+        # the timed window (steps window[0]..window[1], counted from 1): its time per step, and the bytes and syncs
+        # of the same steps, what the bench's paired ratios compare (None: a run of one step)
+        "window": None if window_start is None else [window_from + 1, last],
         "steady_step_ms": None if window_start is None else
         round(1000 * (window_end - window_start) / (last - window_from), 3),
+        "window_payload_bytes_per_rank": None if window_start is None or args.backend == "horovod" else
+        counter.bytes - window_bytes,
+        "window_payload_bytes_by_group": None if window_start is None or args.backend == "horovod" else
+        {"-".join(map(str, g)): b - window_groups.get(g, 0) for g, b in sorted(counter.by_group.items())},
+        "window_syncs": None if window_start is None or not isinstance(state, AlgorithmState) else
+        state.syncs - window_syncs,
         "resumed_from": first_step,
         "params_checksum": float(sum(_whole(p).detach().double().sum() for p in model.parameters())),
         "params_sha256": params_sha256(model),  # equal only for bit-identical parameters
         "syncs": state.syncs if isinstance(state, AlgorithmState) else (None if args.hook in ANCHORS else last),
         "wall_s": round(wall, 2),
         "config": cfg.to_dict(conf),
-        "config_sha256": provenance.config_sha256(cfg.to_dict(conf)),
+        # the whole method: the hook and its arguments as well as the config (DDP, compute-only and PowerSGD all
+        # run {"type": "none"}, and differ here)
+        "method": method_spec(args, conf),
+        "config_sha256": provenance.config_sha256(method_spec(args, conf)),
         **provenance.commit(),  # "one run, one commit": commhooks table refuses to mix commits
     }
     if isinstance(state, AlgorithmState):
@@ -481,6 +497,12 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def method_spec(args, conf) -> dict:
+    """What makes a method: its hook, the hook's own arguments, and its commhooks config."""
+    own = {"powersgd": ("powersgd_rank", "anchor_start"), "local-sgd": ("local_sgd_period", "anchor_start")}
+    return {"hook": args.hook, **{k: getattr(args, k) for k in own.get(args.hook, ())}, "config": cfg.to_dict(conf)}
 
 
 def params_sha256(model) -> str:
