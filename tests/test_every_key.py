@@ -49,6 +49,7 @@ ALTERNATIVES = {
             "average_optimizer_state": True, "average_buffers": False, "group_size": 4, "outer_lr": 0.6,
             "outer_momentum": 0.3, "outer_nesterov": False, "outer_normalize": "lr_sum", "error_feedback": True,
             "error_feedback_decay": 0.5, "overlap_steps": 2, "overlap_merge": "mix", "overlap_alpha": 0.5,
+            "overlap_schedule": "send-before",
             "fragments": 2, "hierarchical": True, "payload": "int4", "payload_block": 8,
             "payload_rounding": "stochastic", "topk_density": 0.5, "topk_chunk": 16, "topk_values": "int8",
             "payload_exchange": "allgather"},

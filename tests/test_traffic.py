@@ -30,6 +30,9 @@ CONFIGS = {
     "topk-fragments-outer": {"type": "qsr", "h_base": 2, "alpha": 0.0, "payload": "topk", "topk_chunk": 64,
                              "error_feedback": True, "fragments": 3, "outer_lr": 0.7, "outer_momentum": 0.9},
     "rule-replicas": {"type": "qsr", "h_base": 2, "alpha": 0.3, "warmup_steps": 2, "group_size": 2},
+    # torchft's timeline: each fragment sent a step before its point and landing on it, mixed at every sync
+    "send-before-mix": {"type": "qsr", "h_base": 4, "fragments": 2, "outer_lr": 2.0, "overlap_steps": 1,
+                        "overlap_schedule": "send-before", "overlap_merge": "mix", "overlap_alpha": 0.5},
     # a torch optimizer takes the outer step (Python only): no outer_* key, yet every sync is an outer step
     "outer-optimizer": {"type": "qsr", "h_base": 3, "alpha": 0.0},
 }

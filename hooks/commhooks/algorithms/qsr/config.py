@@ -120,12 +120,17 @@ class QSRConfig(QuadraticRuleFields, PayloadFields):
     overlap_steps: Annotated[int, Field(ge=0, description=(
         "apply each sync this many local steps after sending it, training on meanwhile (Streaming DiLoCo's "
         "tau; 0 = blocking); keep it below the shortest period"))] = 0
+    overlap_schedule: Literal["land-after", "send-before"] = Field("land-after", description=(
+        "where an overlapped sync sits around its point in the round: land-after = sent at the point, landing "
+        "overlap_steps later; send-before = sent overlap_steps before the point, landing on it (torchft's "
+        "DiLoCo since 2025-07: fragment_sync_delay)"))
     overlap_merge: Literal["progress", "mix"] = Field("progress", description=(
-        "how an overlapped sync lands: progress = synced weights + overlap_alpha * the local steps made "
-        "meanwhile; mix = overlap_alpha * local + (1 - overlap_alpha) * synced (the paper's mixing)"))
+        "how a sync lands: progress = synced weights + overlap_alpha * the local steps made while it was in flight "
+        "(an overlapped sync only); mix = overlap_alpha * local + (1 - overlap_alpha) * synced (the paper's "
+        "mixing, and torchft's fragment_update_alpha: at a blocking sync too)"))
     overlap_alpha: Annotated[float, Field(ge=0.0, le=1.0, description=(
         "weight of the local side in overlap_merge (progress: 1 keeps every in-flight step; mix: paper 0.5; "
-        "0 in either = torchft: discard the in-flight steps)"))] = 1.0
+        "0 in either = discard the local side: the synced weights)"))] = 1.0
     fragments: Annotated[int, Field(ge=1, description=(
         "cut the parameters into this many equal runs whose syncs are staggered across the period (the "
         "link carries 1/fragments of the model at a time)"))] = 1
@@ -150,8 +155,9 @@ class QSRConfig(QuadraticRuleFields, PayloadFields):
         if not self.error_feedback:
             idle["error_feedback_decay"] = "with error_feedback true (it decays the error-feedback residual)"
         if self.overlap_steps == 0:
-            idle.update({k: "with overlap_steps > 0 (how an overlapped sync lands)"
-                         for k in ("overlap_merge", "overlap_alpha")})
+            idle["overlap_schedule"] = "with overlap_steps > 0 (where an overlapped sync is sent and lands)"
+            if self.overlap_merge == "progress":  # a blocking sync leaves no progress to keep; "mix" still mixes
+                idle["overlap_alpha"] = "with overlap_steps > 0, or overlap_merge 'mix' (torchft's mixing)"
         if self.group_size == 1:
             idle["hierarchical"] = "with replica groups of several ranks (group_size > 1, or null: ranks per node)"
         return idle
@@ -160,12 +166,19 @@ class QSRConfig(QuadraticRuleFields, PayloadFields):
     def pseudo_gradient(self) -> bool:
         """True when a sync is an outer step on the pseudo-gradient (outer optimizer or compressed payload)."""
         return (self.outer_lr != 1.0 or self.outer_momentum != 0.0 or self.payload != "fp32"
-                or self.overlap_steps > 0 or self.fragments > 1 or self.outer_normalize != "none")
+                or self.overlap_steps > 0 or self.fragments > 1 or self.outer_normalize != "none"
+                or self.mixes_at_sync)
 
     @property
     def streaming(self) -> bool:
-        """True when a round can end with the ranks' weights apart (overlapped or fragmented syncs)."""
-        return self.overlap_steps > 0 or self.fragments > 1
+        """True when a round can end with the ranks' weights apart (overlapped or fragmented syncs, or a sync that
+        mixes each rank's own weights back in)."""
+        return self.overlap_steps > 0 or self.fragments > 1 or self.mixes_at_sync
+
+    @property
+    def mixes_at_sync(self) -> bool:
+        """A sync lands as a mix of the local and the synced weights that keeps some of the local side."""
+        return self.overlap_merge == "mix" and self.overlap_alpha > 0.0
 
     @property
     def warmup_h(self) -> int:

@@ -12,8 +12,10 @@ sync happens is written once.
 that step, ``lN``: it lands after that step, before the next optimizer step)::
 
     step of round   1    2    3    4    5    6  | 1 (next round)
-    sent                 s0        s1        s2 |
+    sent                 s0        s1        s2 |         overlap_schedule "land-after" (the default)
     landed                    l0        l1      | l2
+    sent early      s0        s1        s2      |         "send-before" (torchft's fragment_sync_delay)
+    landed early         l0        l1        l2 |
 
 Fragment ``k`` of ``F`` leaves after step ``ceil(H (k + 1) / F)`` of the round (:func:`send_points`) and lands
 ``overlap_steps`` later, never after ``total_steps`` (the last round of a known run sends and lands everything at
@@ -67,8 +69,9 @@ def qsr_period(step: int, lr: float, config: QSRConfig) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One thing a step does: ``land`` fragment k; ``close`` the round (parameters that joined are taken in);
-    ``send`` fragment k, landing after step ``at``; ``end`` the round (``complete``: the ranks now agree)."""
+    """One thing a step does: ``land`` fragment k (``complete``: the run's last or a forced sync, which lands the
+    synced weights, unmixed); ``close`` the round (parameters that joined are taken in); ``send`` fragment k,
+    landing after step ``at``; ``end`` the round (``complete``: the ranks now agree)."""
 
     kind: str
     fragment: int = 0
@@ -76,11 +79,13 @@ class Event:
     complete: bool = False
 
 
-def send_points(period: int, count: int) -> Dict[int, List[int]]:
-    """Step of the round (1..period) -> fragments sent after it; the last fragment at ``period``."""
+def send_points(period: int, count: int, early: int = 0) -> Dict[int, List[int]]:
+    """Step of the round (1..period) -> fragments sent after it: fragment k's point is ``ceil(period (k + 1) /
+    count)`` (the last fragment's the round's end), and a sync sent ``early`` steps before its point (the
+    ``send-before`` schedule) leaves that much sooner, never before the round's first step."""
     points: Dict[int, List[int]] = {}
     for k in range(count):
-        points.setdefault(max(1, math.ceil(period * (k + 1) / count)), []).append(k)
+        points.setdefault(max(1, math.ceil(period * (k + 1) / count) - early), []).append(k)
     return points
 
 
@@ -107,17 +112,21 @@ def step_events(step: int, since: int, period: int, in_flight: Mapping[int, int]
         flying.pop(k)
     if ending:
         events.append(Event("close"))
-    sends = range(config.fragments) if blocking else send_points(period, config.fragments).get(
-        period if ending else since, [])
+    # send-before (torchft's timeline): each sync leaves overlap_steps before its point and lands on it
+    before = config.overlap_schedule == "send-before" and config.overlap_steps > 0
+    key = period if ending else since
+    sends = range(config.fragments) if blocking else send_points(
+        period, config.fragments, config.overlap_steps if before else 0).get(key, [])
     for k in sends:
         if k in flying:
             events.append(Event("land", k))
             flying.pop(k)
-        at = step if blocking else step + config.overlap_steps
+        point = step - key + math.ceil(period * (k + 1) / config.fragments)  # the step fragment k's sync is for
+        at = step if blocking else (max(step, point) if before else step + config.overlap_steps)
         at = at if total is None else min(at, max(step, total))  # never past the run's end
         events.append(Event("send", k, at))
         if at <= step:
-            events.append(Event("land", k))
+            events.append(Event("land", k, complete=blocking))  # (a blocking end lands the synced weights)
         else:
             flying[k] = at
     if ending:
@@ -321,7 +330,7 @@ class QSRState(QSRKept, AlgorithmState):
             self.parameter_set.repoint()
         for event in events:
             if event.kind == "land":
-                self.driver.land(event.fragment)
+                self.driver.land(event.fragment, mix=not event.complete)
             elif event.kind == "close":
                 self.driver.close()
             elif event.kind == "send":

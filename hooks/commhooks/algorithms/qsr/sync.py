@@ -20,8 +20,10 @@ round, the step is scaled back.
 
 **Overlap** (``overlap_steps`` = tau; Streaming DiLoCo, arXiv 2501.18512): a sync sent after step ``s`` lands after
 ``s + tau``, the weights having moved on by ``p_i``; then ``theta_i = anchor + alpha * p_i``
-(``overlap_merge="progress"``) or ``alpha * theta_i + (1 - alpha) * anchor`` (``"mix"``, the paper's); ``alpha = 0``
-is torchft's (discard the in-flight steps).  The ranks then differ by their progress, so ``check_every`` compares
+(``overlap_merge="progress"``) or ``alpha * theta_i + (1 - alpha) * anchor`` (``"mix"``, the paper's, and torchft's
+``fragment_update_alpha``, which mixes at a blocking sync too); ``alpha = 0`` discards the local side.
+``overlap_schedule="send-before"`` sends each sync ``tau`` steps before its point and lands it on the point
+(torchft's timeline since 2025-07) instead of sending on the point and landing ``tau`` later.  The ranks then differ by their progress, so ``check_every`` compares
 the anchors.  **Fragments**: F equal runs of the parameters, each with its own anchor, momentum and residual, synced
 at staggered steps (element-wise: together they equal one sync of the whole). Tuning: tau should cover a sync's
 transfer in steps (``commhooks plan``); tau 1-5, F 1-4 is the paper's range; keep tau below ``h_base``.
@@ -195,15 +197,16 @@ class SyncDriver:
                                    ctx.step, apply_at, group=self.across, tag=tag,
                                    seed=ctx.rounding_seed() * 64 + k, scale=scale)
 
-    def land(self, k: int) -> None:
-        """Fragment ``k``'s sync lands: the outer step, the parts shared, the proofs of the step it left at."""
+    def land(self, k: int, mix: bool = True) -> None:
+        """Fragment ``k``'s sync lands: the outer step, the parts shared, the proofs of the step it left at.
+        ``mix=False``: the run's last (or a forced) sync, whose weights are the synced ones on every rank."""
         ctx = self.ctx
         if not self.plan.outer_step:
             log.debug("%s step %d: fragment %d landed, sent after step %d", ctx.name, ctx.step, k, ctx.step)
             return
         with ctx.failures():
             proofs, sent_at = self.fragments[k].land(self.pieces(self.sent(), len(self.fragments), k), ctx.step,
-                                                     self.merge, self.alpha)
+                                                     self.merge if mix else "progress", self.alpha)
             self.share(k)
         log.debug("%s step %d: fragment %d landed, sent after step %d", ctx.name, ctx.step, k, sent_at)
         ctx.check(proofs, self.across, "sync", step=sent_at)
@@ -271,8 +274,9 @@ class FragmentSync:
              alpha: float = 1.0) -> Tuple[torch.Tensor, int]:
         """Wait for the sync and apply it at optimizer ``step``: the outer step, then the weights; returns (mean
         proof, step it was sent at).  Landing at the step it was sent (a blocking sync), the weights become
-        the new anchor; otherwise ``merge`` keeps ``alpha`` of the progress since (``mix``: ``alpha * local
-        + (1 - alpha) * anchor``)."""
+        the new anchor (``mix``: ``alpha * local + (1 - alpha) * anchor``, as torchft mixes at every sync);
+        otherwise ``merge`` keeps ``alpha`` of the progress since (``mix``: ``alpha * local + (1 - alpha) *
+        anchor``)."""
         flight, self.flight = self.flight, None
         mean, proofs = flight.work.wait()
         sent_from = flight.sent_from if step > flight.sent_at else None
@@ -290,7 +294,10 @@ class FragmentSync:
                 self.buffer = mean.clone() if self.buffer is None else self.buffer.mul_(self.momentum).add_(mean)
                 update = mean + self.momentum * self.buffer if self.nesterov else self.buffer
             self.anchor -= (self.lr * scale) * update if scale != 1.0 else self.lr * update
-        if sent_from is None or alpha == 0.0:
+        if sent_from is None and merge == "mix" and alpha != 0.0:  # a blocking sync that mixes (torchft's alpha)
+            now = flat_into(reused(self.buffers, "now", self.anchor.numel(), device), tensors)
+            write_flat(tensors, alpha * now + (1.0 - alpha) * self.anchor)
+        elif sent_from is None or alpha == 0.0:
             write_flat(tensors, self.anchor)
         else:
             now = flat_into(reused(self.buffers, "now", sent_from.numel(), device), tensors)
