@@ -3,8 +3,12 @@
 # torch (pinned: a looser spec makes pip fetch a multi-GB CUDA build) and commhooks
 # with its extras.  A stamp holding the hash of the inputs makes a second run a no-op.
 # Build products and downloads are cached under .cache/ (ignored by git).
+#
+#   .ci/install.sh          everything the tests need (Horovod built, MPICH, DeepSpeed's ops, the docs toolchain)
+#   .ci/install.sh core     torch and commhooks with its tools (the trainer, data, plots): what `make demo` needs
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PROFILE=${1:-full}
 
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
@@ -13,9 +17,14 @@ EXTRAS=tools,test,mpi,deepspeed,horovod,frameworks,docs,torchft
 CACHE=${COMMHOOKS_CACHE:-$PWD/.cache}
 
 stamp="$VENV/.commhooks-installed"
+core_stamp="$VENV/.commhooks-core-installed"
 want=$(cat setup.cfg pyproject.toml .ci/install.sh | sha256sum | cut -d' ' -f1)
 if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     echo "install: $VENV is up to date"
+    exit 0
+fi
+if [ "$PROFILE" = core ] && [ -x "$VENV/bin/python" ] && [ -f "$core_stamp" ] && [ "$(cat "$core_stamp")" = "$want" ]; then
+    echo "install: $VENV has the core (make test installs the rest)"
     exit 0
 fi
 
@@ -27,6 +36,15 @@ pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -c "$constrai
 
 echo "install: torch==$TORCH_VERSION"
 "${pip[@]}" -q "torch==$TORCH_VERSION"
+
+if [ "$PROFILE" = core ]; then
+    echo "install: commhooks[tools] (editable)"
+    "${pip[@]}" -q -e ".[tools]"
+    "$VENV/bin/python" -c "import torch, commhooks; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__"
+    echo "$want" > "$core_stamp"
+    echo "install: done, the core ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
+    exit 0
+fi
 
 # Horovod 0.28.1 is an sdist that needs patching for torch 2.x (its CMake files ask for C++14;
 # torch's headers need C++17). Build a wheel once, keep it under .cache/wheels (and in the

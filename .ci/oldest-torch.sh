@@ -16,8 +16,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-TORCH_VERSION=$(sed -n 's/^\s*torch>=\([0-9.]*\),.*/\1/p' setup.cfg)
-[ -n "$TORCH_VERSION" ] || { echo "oldest-torch: no torch>=X,... line in setup.cfg" >&2; exit 1; }
+TORCH_VERSION=$(sed -n 's/^\s*torch>=\([0-9.]*\).*/\1/p' setup.cfg)
+[ -n "$TORCH_VERSION" ] || { echo "oldest-torch: no torch>=X line in setup.cfg" >&2; exit 1; }
 pytag=$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 VENV=${OLDEST_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/commhooks/venv-oldest-torch-$TORCH_VERSION-$pytag}
 CORE_TESTS=${CORE_TESTS:-"tests/test_qsr.py tests/test_ab.py tests/test_outer.py tests/test_streaming.py tests/test_exchange.py tests/test_payloads.py tests/test_alignment.py tests/test_run_end.py tests/test_comm.py tests/test_contract.py tests/oldest_torch"}
