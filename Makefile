@@ -21,7 +21,7 @@ install-core:
 demo: install-core
 	@start=$$(date +%s); \
 	$(TRAIN) --hook none --label ddp --json-out $(DEMO)/ddp.json && \
-	$(TRAIN) --config configs/start_h4_int2_mnist1d.json --label every-4-steps-int2 --json-out $(DEMO)/h4_int2.json && \
+	$(TRAIN) --config configs/start_h4_int2.json --label every-4-steps-int2 --json-out $(DEMO)/h4_int2.json && \
 	$(TRAIN) --config configs/qsr_int2_mnist1d.json --label qsr-int2 --json-out $(DEMO)/qsr_int2.json && \
 	$(VENV)/bin/commhooks table $(DEMO)/ddp.json $(DEMO)/h4_int2.json $(DEMO)/qsr_int2.json && \
 	echo "demo: trained and compared in $$(( $$(date +%s) - start )) s"
@@ -93,5 +93,5 @@ bench-papers: install
 # what make and the tests generate: the demo's tables, the bench's default folder, caches (never results/<run>/,
 # the recorded runs the docs cite; .venv and .cache are kept: remove them by hand to reinstall)
 clean:
-	rm -rf results/demo results/bench .pytest_cache docs/site
+	rm -rf results/demo results/bench results/site .pytest_cache
 	find . -name __pycache__ -type d -prune -not -path "./.venv/*" -exec rm -rf {} +

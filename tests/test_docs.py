@@ -73,12 +73,62 @@ def test_readme_code_blocks_are_excerpts_of_the_examples():
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 260, "the README is a front page: keep it short, the rest goes in docs/"
     for lang, body in FENCE.findall(readme):
-        if lang == "bash":  # the two commands: make targets that exist
+        if lang == "bash":  # the two commands: make targets that exist; and the install
             for line in body.strip().splitlines():
-                target = line.split("#")[0].split()[1]
-                assert re.search(rf"^{target}:", makefile, re.M), f"README runs `make {target}`, not in the Makefile"
+                words = line.split("#")[0].split()
+                if words[:2] == ["pip", "install"]:
+                    continue
+                assert words[0] == "make" and re.search(rf"^{words[1]}:", makefile, re.M), \
+                    f"README runs `{line}`, not a make target in the Makefile"
             continue
         assert _runs_in(body, sources), f"README block is not an excerpt of examples/: {body[:200]!r}"
+
+
+def test_the_readme_first_screen_has_install_a_whole_script_and_where_to_start():
+    """Within the README's first 60 lines: the install, a whole script (imports included) that is an example the
+    suite runs (tests below), and the configuration to start from."""
+    head = "\n".join((REPO / "README.md").read_text().splitlines()[:60])
+    assert "pip install" in head
+    blocks = [body for lang, body in FENCE.findall(head + "\n```") if lang == "python"]
+    assert blocks and blocks[0].lstrip().startswith("import torch") and "import commhooks" in blocks[0], blocks
+    assert _runs_in(blocks[0], [EXAMPLES / "quickstart.py"])
+    assert "start_h4_int2" in head and "start_h4_int2_hier" in head
+
+
+def test_every_config_the_docs_recommend_is_one_a_claims_table_measured():
+    """The configs the README and configs/README.md recommend ("start_..."): their keys, but for the replica
+    layout (group_size, hierarchical: the cluster's shape), are those of a method in a generated table of the
+    claims (a run whose results the docs quote)."""
+    import importlib.util
+    import json
+
+    from commhooks.config import load_config
+    from commhooks.settings import to_dict
+    from commhooks.tools import bench
+
+    spec = importlib.util.spec_from_file_location("claims", REPO / "docs" / "claims.py")
+    claims = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(claims)
+    layout = ("group_size", "hierarchical")
+    measured = []
+    for table in claims.load_tables():
+        results = json.loads((REPO / table["source"]).read_text())
+        if "setup" not in results:  # (a table of another tool's file: curves, a model's layers)
+            continue
+        own = results["setup"].get("method_configs") or {}  # methods given as label=config.json
+        for name in table.get("args", {}).get("methods", []):
+            path = own.get(name) or bench.method_source(name, results["setup"].get("model", "cnn")).get("config")
+            if path is not None:
+                conf = to_dict(load_config(str(REPO / path)))
+                measured.append({k: v for k, v in conf.items() if k not in layout})
+    text = (REPO / "README.md").read_text() + (REPO / "configs" / "README.md").read_text()
+    from commhooks.shipped import shipped_configs
+
+    recommended = sorted(set(re.findall(r"\bstart_[a-z0-9_]+", text)) & set(shipped_configs()))
+    assert recommended, "no start_ config named"
+    for name in recommended:
+        conf = {k: v for k, v in to_dict(load_config(name)).items() if k not in layout}
+        assert conf in measured, f"{name} is recommended, and no claims table measured it"
 
 
 # --------------------------------------------------------------------------
@@ -107,6 +157,11 @@ def _run(cmd, env=None, timeout=400, world=2):
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def test_quickstart_example():
+    out = _run(TORCHRUN + ["examples/quickstart.py"])
+    assert "of DDP's bytes" in out
 
 
 @pytest.mark.parametrize("algorithm", ["qsr", "ab", "outer-int8"])
