@@ -173,6 +173,50 @@ def analyse(results: dict, variants: Dict[str, dict], reference, margin: Optiona
     return out
 
 
+def pool(runs: Sequence[dict], margin: Optional[float] = None) -> dict:
+    """Several recorded sweeps (their ``curves.json``) of the same points pooled: for each rule point every run
+    compared, the seeds' paired differences put together (the seeds must differ) and judged again, as one run of
+    all their seeds would be.  The runs must share the workload, its length and the point's config (its syncs)."""
+    first = runs[0]
+    for run in runs[1:]:
+        same = (run["setup"]["model"], run["setup"]["steps"], run["metric"]) == (
+            first["setup"]["model"], first["setup"]["steps"], first["metric"])
+        if not same:
+            raise ValueError("curves --pool: the runs differ in workload, steps or metric")
+    seeds = [s for run in runs for s in run["seeds"]]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"curves --pool: a seed appears in two runs ({sorted(seeds)}): pool disjoint seeds")
+    out = {"metric": first["metric"], "better": first["better"], "seeds": seeds, "margin": margin,
+           "pooled": [run.get("source", "") for run in runs], "variants": {}}
+    for variant in first["variants"]:
+        compared = {}
+        for name in first["variants"][variant]["rule_vs_fixed"]:
+            parts = [run["variants"].get(variant, {}).get("rule_vs_fixed", {}).get(name) for run in runs]
+            if any(p is None or "diffs" not in p for p in parts):
+                continue  # a point not every run compared
+            if len({p["syncs"] for p in parts}) != 1:
+                raise ValueError(f"curves --pool: {name} synced {[p['syncs'] for p in parts]} times in the runs")
+            diffs = [d for p in parts for d in p["diffs"]]
+            mean, lo, hi = t_interval(diffs)
+            compared[name] = {"syncs": parts[0]["syncs"], "diffs": diffs, "mean": mean, "lo": lo, "hi": hi,
+                              "verdict": verdict(lo, hi, margin, first["metric"]),
+                              "rule_mean": statistics.fmean(v for run, p in zip(runs, parts) for v in
+                                                            run["variants"][variant]["points"][name]["by_seed"])}
+        if compared:
+            out["variants"][variant] = {"rule_vs_fixed": compared}
+    return out
+
+
+def pooled_rows(curves: dict, variant: str) -> List[str]:
+    """A pooled run's rule points as markdown rows: name, syncs, the seeds, the rule's quality (mean of the pooled
+    seeds), the paired difference from the periods there (+ = the rule better) with its 95 % t interval, the
+    verdict.  The docs quote these rows (docs/claims.toml ``[[table]]``)."""
+    metric, n = curves["metric"], len(curves["seeds"])
+    return [f"| {name} | {c['syncs']} | {n} | {fmt(c['rule_mean'], metric)} | {fmt_diff(c['mean'], metric)} "
+            f"[{fmt_diff(c['lo'], metric)} to {fmt_diff(c['hi'], metric)}] | {c['verdict']} |"
+            for name, c in curves["variants"][variant]["rule_vs_fixed"].items()]
+
+
 def fmt(x: Optional[float], metric: str) -> str:
     """A quality figure as the tables print it: a loss to 4 places, an accuracy in % to 2."""
     return "-" if x is None else (f"{x:.4f}" if metric == "val_loss" else f"{100 * x:.2f}")
@@ -330,8 +374,14 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default="0-7", help="comma list or a range a-b")
     p.add_argument("--out", required=False)
     p.add_argument("--replot", metavar="DIR", help="only redo curves.json/md/png from DIR's recorded runs")
+    p.add_argument("--pool", nargs="+", metavar="DIR", help="pool recorded sweeps of the same points (disjoint seeds) "
+                   "into --out: each rule point's paired differences over all their seeds, judged again")
     args = p.parse_args(argv)
     if args.replot:
+        return args
+    if args.pool:
+        if not args.out:
+            p.error("--pool needs --out")
         return args
     if not args.out or not args.variant:
         p.error("--out and at least one --variant LABEL=CONFIG.json are needed (or --replot DIR)")
@@ -357,6 +407,29 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.pool:
+        runs = []
+        for d in args.pool:
+            run = json.loads((Path(d) / "curves.json").read_text())
+            run["source"] = str(d)
+            runs.append(run)
+        try:
+            pooled = pool(runs, args.margin)
+        except ValueError as exc:
+            raise SystemExit(str(exc))
+        pooled["setup"] = runs[0]["setup"]
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "curves.json").write_text(json.dumps(pooled, indent=2) + "\n")
+        unit = "val loss" if pooled["metric"] == "val_loss" else "test acc (%)"
+        md = [f"# Pooled: {', '.join(args.pool)} ({len(pooled['seeds'])} seeds)", ""]
+        for variant in pooled["variants"]:
+            md += [f"## {variant}", "", f"| rule point | syncs | seeds | rule, {unit} | rule minus fixed period "
+                   "(+ = rule better), mean [95 % interval] | verdict |", "|---|---|---|---|---|---|",
+                   *pooled_rows(pooled, variant), ""]
+        (out / "curves.md").write_text("\n".join(md) + "\n")
+        print("\n".join(md))
+        return 0
     out = Path(args.replot or args.out)
     if args.replot:
         plan = json.loads((out / "plan.json").read_text())
