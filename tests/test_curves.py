@@ -114,3 +114,22 @@ def test_bad_input_is_refused_naming_what_is_wrong(tmp_path):
     assert proc.returncode == 2 and "--variant 'x=nothing.json'" in proc.stderr, proc.stderr[-500:]
     proc = run(["bench", "--quick", "--methods", "qsr,mine=nothing.json"], timeout=60)
     assert proc.returncode == 2 and "error: --methods" in proc.stderr, proc.stderr[-500:]
+
+
+def test_pooling_puts_the_seeds_paired_differences_together_and_judges_them_again():
+    """Two sweeps of the same points on disjoint seeds: one rule point's differences, neither run resolved alone,
+    pooled into one interval; a seed in both runs, or a point that synced differently, is refused."""
+    from commhooks.tools.curves import pool
+
+    def run(seeds, diffs, syncs=20):
+        point = {"syncs": syncs, "diffs": diffs, "verdict": "x"}
+        return {"metric": "test_acc", "better": "higher", "seeds": seeds, "setup": {"model": "cnn", "steps": 100},
+                "variants": {"v": {"rule_vs_fixed": {"v.rule-a0.01": point},
+                                   "points": {"v.rule-a0.01": {"by_seed": [0.9] * len(seeds)}}}}}
+    a, b = run(["0", "1", "2"], [0.004, -0.001, 0.006]), run(["3", "4", "5"], [0.003, 0.005, 0.002])
+    pooled = pool([a, b])["variants"]["v"]["rule_vs_fixed"]["v.rule-a0.01"]
+    assert pooled["diffs"] == [0.004, -0.001, 0.006, 0.003, 0.005, 0.002] and pooled["verdict"] == "above", pooled
+    with pytest.raises(ValueError, match="a seed appears in two runs"):
+        pool([a, run(["2", "9"], [0.1, 0.1])])
+    with pytest.raises(ValueError, match="synced"):
+        pool([a, run(["7", "8"], [0.1, 0.1], syncs=21)])
