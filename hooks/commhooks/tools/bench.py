@@ -505,6 +505,9 @@ def summarize(first: List[dict], timed: Dict[str, List[dict]], per_node: int = 1
                                                                              per_node) for r in clock])
         if clock and per_node > 1 else None,
         "window_syncs": clock[0].get("window_syncs") if clock else None,
+        # rank 0's phases in the first timing run (ms per step: compute, optimizer, hooks, encode, exchange, land)
+        "phases": (clock[0].get("report") or {}).get("phases") if clock else None,
+        "hidden_share": (clock[0].get("report") or {}).get("hidden_share") if clock else None,
         "config": first[0]["config"],
         "method": first[0].get("method"),
         "config_sha256": first[0].get("config_sha256") or provenance.config_sha256(first[0]["config"]),

@@ -229,7 +229,7 @@ class ABState(ABKept, AlgorithmState):
         """The world mean of ``tensors`` as the phase's start minus the mean of the ranks' changes since then,
         the changes sent compressed (``payload``) with the step proof (:func:`~commhooks.payload.compressed_mean`)."""
         ctx = self.sync_context
-        with ctx.failures():
+        with ctx.failures(), ctx.phases.phase("exchange"):  # (encoding, the allgather and decoding in one call)
             proofs = compressed_mean(self.comm, tensors, self.entry, self.config.codec, ctx.proof(),
                                      self.sync_buffers, tag="sync", seed=ctx.rounding_seed())
         ctx.check(proofs, None, "sync")

@@ -31,7 +31,8 @@ class Reporting:
 
 def report(state) -> dict:
     """:meth:`~.state.AlgorithmState.report`: steps, syncs, bytes sent (total and per tag), what plain allreduce would have
-    sent, memory kept, plus the algorithm's own figures."""
+    sent, memory kept, the time per step of each phase and the share of overlapped syncs hidden, plus the
+    algorithm's own figures."""
     sent, dense = state.meter.bytes(), state.step * state.parameter_set.allreduce_bytes()
     kept = state.memory()
     weights = sum(p.numel() * p.element_size() for _, p in state.named_params)
@@ -42,6 +43,8 @@ def report(state) -> dict:
             # the run's length and warm-up as the state uses them (an integration may have filled them in from
             # the trainer's scheduler: the only place a user sees that it did)
             "schedule": {k: getattr(state.config, k) for k in getattr(type(state.config), "schedule_keys", {})},
+            # where this process's steps spent their time, phase by phase (contract/phases.py)
+            **state.sync_context.phases.report(state.sync_context.phases.steps),
             **state.algorithm_report()}
 
 

@@ -219,9 +219,10 @@ class AlgorithmState(AlgorithmHooks, Joinable, Reporting, DeprecatedNames):
     # ------------------------------------------------------------ driven by engines
     def begin_step(self) -> None:
         """Before an iteration's first optimizer step, for engines that drive the steps: :meth:`before_step`."""
-        if self._join_config is not None and self._join_config.enable:
-            self.comm.notify_join(self)
-        self.before_step()
+        with self.sync_context.phases.hook(before_step=True):
+            if self._join_config is not None and self._join_config.enable:
+                self.comm.notify_join(self)
+            self.before_step()
 
     def end_step(self) -> None:
         """After each optimizer step (the last optimizer's post-hook): count it, then :meth:`after_step`."""
@@ -305,7 +306,7 @@ class AlgorithmState(AlgorithmHooks, Joinable, Reporting, DeprecatedNames):
         """Average ``tensors`` in place over ``group`` (default: the world), the step proof riding along."""
         ctx = self.sync_context
         proof = ctx.proof()
-        with ctx.failures():
+        with ctx.failures(), ctx.phases.phase("exchange"):
             average_(self.comm, tensors, group=group, tag=tag, rider=proof)
         ctx.check(proof, group, tag)
 

@@ -23,6 +23,7 @@ import torch
 from ...comm import CollectiveError
 from ..averaging import average_
 from .checks import DivergenceError, count_everywhere, first_bad, nonfinite_error, nonfinite_message, verify_identical
+from .phases import PhaseClock
 
 _LIMBS = 3  # steps below 262,144 compared exactly, beyond that modulo it
 _SCALE, _NONFINITE = 2 * _LIMBS + 1, 2 * _LIMBS + 3  # indices of log2(scale) (its square follows), the NaN flag
@@ -159,6 +160,7 @@ class SyncContext:
         self.in_sync: Optional[int] = None
         self.end = None  # a state that runs apart: the record its end-of-run check reads (step, in_sync)
         self.refresh = lambda: []  # parameters that joined since, taken in (set by the StepAlignment)
+        self.phases = PhaseClock()  # where this rank's steps spend their time (state.report()["phases"])
 
     def lr(self) -> float:
         """The lr a sync rule reads: the first param group's ``scheduled_lr`` (an lr wrapper's) or ``lr``."""
@@ -199,7 +201,7 @@ class SyncContext:
 
     def average(self, tensors: Sequence[torch.Tensor], group=None, tag: str = "sync", within=None) -> None:
         """Average ``tensors`` in place over ``group`` (default: the world), the step proof (:meth:`proof`) along."""
-        with self.failures():
+        with self.failures(), self.phases.phase("exchange"):
             proof = self.proof(within)
             average_(self.comm, tensors, group=group, tag=tag, rider=proof)
         self.check(proof, group, tag)
@@ -289,23 +291,25 @@ class StepAlignment:
         if self.uncounted or self.outside:
             return
         state, ctx = self.state, self.ctx
-        params = []
-        for group in optimizer.param_groups:
-            params += group["params"]
-        dropped = checked = False
-        if getattr(optimizer, "found_inf", None) is not None or getattr(optimizer, "grad_scale", None) is not None:
-            dropped, checked = self.amp.step(optimizer, params)  # a GradScaler checked these: it decides
-        if starts and state.reduces_gradients and self.reduced:
-            # a rank whose update is dropped (an overflow in a local step) still joins the strays' collectives,
-            # contributing nothing, as a joined rank does: the others' reduction must find it there
-            self.reduce_strays(shadow=dropped)
-        if not checked and self.guard_step(params):
-            dropped = True
-        ctx.skipped_steps += dropped
-        if starts:
-            if self.join_config is not None and self.join_config.enable:
-                ctx.comm.notify_join(state)
-            state.before_step()
+        # (the step hooks' own time, and the compute before the first optimizer's: ctx.phases)
+        with ctx.phases.hook(before_step=True) if starts else contextlib.nullcontext():
+            params = []
+            for group in optimizer.param_groups:
+                params += group["params"]
+            dropped = checked = False
+            if getattr(optimizer, "found_inf", None) is not None or getattr(optimizer, "grad_scale", None) is not None:
+                dropped, checked = self.amp.step(optimizer, params)  # a GradScaler checked these: it decides
+            if starts and state.reduces_gradients and self.reduced:
+                # a rank whose update is dropped (an overflow in a local step) still joins the strays'
+                # collectives, contributing nothing, as a joined rank does: the others' reduction must find it
+                self.reduce_strays(shadow=dropped)
+            if not checked and self.guard_step(params):
+                dropped = True
+            ctx.skipped_steps += dropped
+            if starts:
+                if self.join_config is not None and self.join_config.enable:
+                    ctx.comm.notify_join(state)
+                state.before_step()
 
     def guard_step(self, params) -> bool:
         """The ``nonfinite`` policy on these gradients (``"skip"``: one host read, and True if dropped)."""
@@ -326,7 +330,8 @@ class StepAlignment:
             return
         ctx = self.ctx
         ctx.step += 1
-        self.state.after_step()
+        with ctx.phases.hook(before_step=False):
+            self.state.after_step()
         if ctx.end is not None:  # (the run's end record: where it stands after a step counted in this process)
             ctx.end.step, ctx.end.in_sync = ctx.step, ctx.in_sync
         if self.log_every and ctx.step % self.log_every == 0 and ctx.comm.rank == 0:

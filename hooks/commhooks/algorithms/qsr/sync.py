@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -47,6 +48,7 @@ from ...comm import Comm, Work
 from ...comm.base import flatten
 from ...settings import ConfigError
 from ..contract.checks import anywhere, same_everywhere
+from ..contract.phases import PhaseClock
 from ...payload import Codec, OwnerFeedback, flat_into, reused, start_change_mean, write_flat
 from .plan import SyncPlan, split_fragments
 
@@ -63,6 +65,7 @@ class InFlight:
     sent_from: Optional[torch.Tensor]  # the fragment's weights when it was sent (flat fp32; None: blocking)
     work: Work  # wait() gives (mean pseudo-gradient, mean proof), once waited kept
     scale: float = 1.0  # outer_normalize="lr_sum": the inner lr summed over the round it closes
+    sent_time: float = 0.0  # time.perf_counter() when it left (the phase clock's flight)
 
 
 class SyncDriver:
@@ -83,7 +86,8 @@ class SyncDriver:
         c = config
         self.fragments = [FragmentSync(c.outer_lr, c.outer_momentum, c.outer_nesterov, c.codec, c.payload_block,
                                        c.error_feedback, keep_sent_from=c.overlap_steps > 0,
-                                       make_optimizer=make_optimizer, feedback_decay=c.error_feedback_decay)
+                                       make_optimizer=make_optimizer, feedback_decay=c.error_feedback_decay,
+                                       phases=ctx.phases)
                           for _ in range(c.fragments if plan.outer_step else 0)]
 
     # ------------------------------------------------------------ what a sync covers
@@ -188,7 +192,7 @@ class SyncDriver:
                 ctx.average(self.params() + self.buffers() + self.moments(), tag="sync")
             else:
                 ctx.average(self.sent() + self.moments(), group=self.across, tag="sync", within=self.within)
-                with ctx.failures():
+                with ctx.failures(), ctx.phases.phase("exchange"):
                     self.share()
             return
         with ctx.failures():
@@ -207,7 +211,8 @@ class SyncDriver:
         with ctx.failures():
             proofs, sent_at = self.fragments[k].land(self.pieces(self.sent(), len(self.fragments), k), ctx.step,
                                                      self.merge if mix else "progress", self.alpha)
-            self.share(k)
+            with ctx.phases.phase("exchange"):  # (the parts shared inside the replica group)
+                self.share(k)
         log.debug("%s step %d: fragment %d landed, sent after step %d", ctx.name, ctx.step, k, sent_at)
         ctx.check(proofs, self.across, "sync", step=sent_at)
         ctx.changed()
@@ -227,7 +232,7 @@ class FragmentSync:
     residual, reused buffers; and its sync in flight."""
 
     def __init__(self, lr: float, momentum: float, nesterov: bool, codec, block: int, error_feedback: bool,
-                 keep_sent_from: bool = True, make_optimizer=None, feedback_decay: float = 1.0):
+                 keep_sent_from: bool = True, make_optimizer=None, feedback_decay: float = 1.0, phases=None):
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
         self.codec = Codec.of(codec, block)  # a Codec, or a codec's name with its block size
         self.error_feedback = error_feedback
@@ -242,6 +247,7 @@ class FragmentSync:
         self.optimizer: Optional[torch.optim.Optimizer] = None  # over [self.anchor], built at its first step
         self.optimizer_state: Optional[dict] = None  # loaded before the optimizer exists
         self.flight: Optional[InFlight] = None
+        self.phases = phases if phases is not None else PhaseClock()  # the state's clock (a bare one: its own)
 
     def take_anchor(self, comm: Comm, tensors: Sequence[torch.Tensor], group=None, averaged: bool = True) -> None:
         """The anchor: the group's mean of ``tensors`` (which every rank then takes as its weights too); with
@@ -257,6 +263,10 @@ class FragmentSync:
         """Start averaging this rank's pseudo-gradient; it lands at :meth:`land`.  The weights it left from are
         kept (``keep_sent_from``) for the progress made while it is in flight."""
         assert self.flight is None, "this fragment's sync is already in flight"
+        with self.phases.phase("encode"):  # the change since the anchor, the codec, and the collective started
+            self._send(comm, tensors, proof, step, apply_at, group, tag, seed, scale)
+
+    def _send(self, comm, tensors, proof, step, apply_at, group, tag, seed, scale) -> None:
         n, device = sum(map(torch.numel, tensors)), tensors[0].device
         self._to(device)
         kept = reused(self.buffers, "sent_from", n, device) if self.keep_sent_from else None
@@ -267,7 +277,7 @@ class FragmentSync:
                                        feedback=self.owner_feedback if ef else None, sent_from=kept)
         if lost is not None:
             self.residual = lost
-        self.flight = InFlight(step, apply_at, kept, work, scale)
+        self.flight = InFlight(step, apply_at, kept, work, scale, time.perf_counter())
 
     @torch.no_grad()
     def land(self, tensors: Sequence[torch.Tensor], step: int, merge: str = "progress",
@@ -278,7 +288,15 @@ class FragmentSync:
         otherwise ``merge`` keeps ``alpha`` of the progress since (``mix``: ``alpha * local + (1 - alpha) *
         anchor``)."""
         flight, self.flight = self.flight, None
-        mean, proofs = flight.work.wait()
+        waiting = time.perf_counter()
+        with self.phases.phase("exchange"):  # the wait: all of a blocking sync's, an overlapped one's exposed part
+            mean, proofs = flight.work.wait()
+        if step > flight.sent_at:  # overlapped: in flight while the rank trained on, then this wait
+            self.phases.flight(waiting - flight.sent_time, time.perf_counter() - waiting)
+        with self.phases.phase("land"):
+            return self._land(flight, mean, proofs, tensors, step, merge, alpha)
+
+    def _land(self, flight, mean, proofs, tensors, step, merge, alpha) -> Tuple[torch.Tensor, int]:
         sent_from = flight.sent_from if step > flight.sent_at else None
         device = tensors[0].device
         self._to(device)  # after a load onto the CPU
