@@ -23,8 +23,9 @@ def _copy_prose(tmp_path):
 
 
 def test_a_changed_figure_fails_naming_the_line_and_the_source(tmp_path):
-    """A README line mutated as a rerun would leave it: the old figure where the data now give another."""
-    readme = _copy_prose(tmp_path)
+    """A results-page line mutated as a rerun would leave it: the old figure where the data now give another."""
+    _copy_prose(tmp_path)
+    readme = tmp_path / "docs" / "pages" / "tools" / "results.md"
     text = readme.read_text()
     line = next(x for x in text.splitlines() if x.startswith("| int2, longer QSR periods (`qsr_diloco_int2_a0125`) |"))
     readme.write_text(text.replace(line, line.replace("15.55x", "15.65x")))
@@ -51,7 +52,8 @@ def test_a_figure_without_a_source_fails_and_setup_is_not_a_figure(tmp_path):
 
 def test_a_figure_that_is_part_of_a_claimed_one_is_not_sourced_by_it(tmp_path):
     """"2 %" beside a claimed "0.227 %", or "4" beside "1.4149", is a figure of its own."""
-    readme = _copy_prose(tmp_path)
+    _copy_prose(tmp_path)
+    readme = tmp_path / "docs" / "pages" / "tools" / "results.md"
     text = readme.read_text()
     line = next(x for x in text.splitlines() if x.startswith("| int2, longer QSR periods (`qsr_diloco_int2_a0125`) |"))
     readme.write_text(text.replace(line, line + " 2 % |"))
@@ -61,8 +63,9 @@ def test_a_figure_that_is_part_of_a_claimed_one_is_not_sourced_by_it(tmp_path):
 
 def test_a_ratio_across_two_runs_must_say_so(tmp_path):
     """A claim reading two results files (``source2``) stands only in a section that says so (``crosses``)."""
-    readme = _copy_prose(tmp_path)
-    cross = {"file": "README.md", "line": "| DDP |", "figure": "0.919",
+    _copy_prose(tmp_path)
+    readme = tmp_path / "docs" / "pages" / "tools" / "results.md"
+    cross = {"file": "docs/pages/tools/results.md", "line": "| DDP |", "figure": "0.919",
              "source": "results/bench-protocol-mnist1d-2026-12-06/results.json",
              "source2": "results/bench-gpt-1000steps-int2-2026-12-05/results.json", "crosses": "divide two runs",
              "value": "m['ddp']['quality_heldout_mean']", "format": "{:.3f}"}
@@ -85,7 +88,8 @@ def test_a_generated_table_is_sourced_row_by_row_and_a_changed_cell_fails(tmp_pa
     page.write_text("\n".join(["<!-- claims -->", "| rule point | syncs | rule | there | difference | verdict |",
                                "|---|---|---|---|---|---|", *rows, "<!-- /claims -->", ""]))
     assert len(rows) == 6 and claims.check(tmp_path, tables=claims.load_tables() + [entry]) == []
-    page.write_text(page.read_text().replace(rows[0], rows[0].replace(" | on |", " | above |").replace("+0.15", "+0.25")))
+    edited = rows[0].rsplit("|", 2)[0] + "| above |"  # the verdict cell, and a figure, edited by hand
+    page.write_text(page.read_text().replace(rows[0], edited.replace("+0.15", "+0.25")))
     problems = claims.check(tmp_path, tables=claims.load_tables() + [entry])
     assert any("is on 0 lines" in p and rows[0][:40] in p for p in problems), problems
     assert any("'+0.25' has no claim" in p for p in problems), problems
