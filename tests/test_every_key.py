@@ -119,7 +119,8 @@ def _cases():
 
 
 def test_every_key_of_every_algorithm_is_listed_with_an_alternative():
-    for algorithm in registry.algorithms():
+    # the algorithms commhooks ships (a test that registers its own, in the same worker, is not walked)
+    for algorithm in (a for a in registry.algorithms() if a.config_class.__module__.startswith("commhooks.")):
         keys = set(algorithm.config_class.model_fields) - {"type"}
         listed = set(ALTERNATIVES.get(algorithm.name, {})) | set(OPERATIONAL)
         assert keys == listed, (f"{algorithm.name}: keys without an alternative here: {sorted(keys - listed)}; "

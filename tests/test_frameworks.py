@@ -248,7 +248,7 @@ def test_transformers_trainer_with_deepspeed_bf16_zero2(tmp_path):
     ds.write_text(json.dumps({
         "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
-        "comm_hook": {"type": "qsr", "h_base": 3, "group_size": 1}}))
+        "comm_hook": {"type": "qsr", "h_base": 3, "alpha": 0.002, "group_size": 1}}))  # the rule: its warm-up acts
     first = torchrun("hf_trainer.py", tmp_path / "run", "--deepspeed", str(ds), "--bf16", "--save-steps", "6")
     straight = identical(first, 12)
     assert first[0]["warmup"] == 4 and first[0]["total"] == 12, first[0]  # the JSON's config, filled by the Trainer

@@ -32,7 +32,7 @@ LAYERS = [
     ("the registry", ["commhooks.registry"]),
     ("algorithms", ["commhooks.algorithms"]),
     ("payload codecs and compressed means", ["commhooks.payload"]),
-    ("engine facts", ["commhooks.facts"]),
+    ("engine facts, the step clock", ["commhooks.facts", "commhooks.phases"]),
     ("collectives, the launcher", ["commhooks.comm", "commhooks.launch"]),
     ("where settings come from", ["commhooks.sources"]),
     ("shipped configs", ["commhooks.shipped"]),

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
-from commhooks.algorithms.contract.phases import PHASES
+from commhooks.phases import PHASES
 from tests.dist import run_ranks
 
 STEPS = 12

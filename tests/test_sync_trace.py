@@ -9,7 +9,7 @@ sees them (each is a function of its own on Python 3.11).  The backward pass, wh
 state's gradient reduction, is traced too and reported, not limited: it is the engine's every-step work.
 
 The limits are those of issue #51 (before it: 15 files and 125 functions for a sync, 9 files for an idle step), plus
-the phase clock every step and sync now runs through (``contract/phases.py``: a file, and its phase, hook and flight
+the phase clock every step and sync now runs through (``commhooks/phases.py``: a file, and its phase, hook and flight
 timers; issue #65).
 """
 

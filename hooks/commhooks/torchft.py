@@ -69,20 +69,22 @@ groups: ``payload_exchange: "auto"`` means ``"allgather"`` here, and ``"two_step
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 import warnings
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import facts, registry
-from .algorithms.contract.checks import DivergenceError, differences_across, spread_over_ranks, verify_identical
+from .algorithms.contract.checks import DivergenceError, flat_description, spread_over_ranks, verify_identical
 from .checkpoint import load_checkpoint
 from .checkpointer import Checkpointer, host_copy
 from .commit import CheckpointError, complete_folders, read_manifest, step_folder
+from .comm import Comm
 from .comm.base import CollectiveError
 from .comm.torch_dist import TorchComm
 from .comm.torchft_comm import ManagedComm
@@ -94,6 +96,33 @@ from .torchft_plan import members_named, plan_heals_by_group
 
 log = logging.getLogger("commhooks")
 
+
+
+def differences_across(comm: Comm, description: dict) -> Dict[str, List[object]]:
+    """The keys of ``description`` (JSON-able; one level into dicts: ``config.h_base``) whose values differ between
+    the members of ``comm``, each with every member's value in rank order (``None`` where a member lacks the key);
+    ``{}`` where all agree.  One 48-byte max/min allreduce; only on a difference, an allgather of every member's
+    description, so that every member can name every value (a group told "differs" without the other's value
+    cannot say which side to fix)."""
+    if comm.size == 1:
+        return {}
+    flat = flat_description(json.loads(json.dumps(description, sort_keys=True, default=str)))
+    blob = json.dumps(flat, sort_keys=True).encode()
+    digest = hashlib.sha256(blob).digest()
+    words = torch.tensor([int.from_bytes(digest[i:i + 3], "big") for i in range(0, 24, 3)], dtype=torch.float64,
+                         device=comm.device)
+    hi, lo = spread_over_ranks(comm, words)
+    if torch.equal(hi, lo):
+        return {}
+    longest = torch.tensor([float(len(blob))], dtype=torch.float64, device=comm.device)
+    comm.allreduce([longest], op="max", tag="check", metered=False)
+    padded = torch.zeros(int(longest.item()), dtype=torch.float32, device=comm.device)
+    padded[:len(blob)] = torch.tensor(list(blob), dtype=torch.float32, device=comm.device)
+    theirs = [json.loads(bytes(int(b) for b in t.tolist()).rstrip(b"\0").decode())
+              for t in comm.allgather(padded, tag="check", metered=False)]
+    keys = sorted(set().union(*theirs))
+    return {k: [t.get(k) for t in theirs] for k in keys if len({json.dumps(t.get(k), sort_keys=True)
+                                                                for t in theirs}) > 1}
 
 class LiveGroups:
     """A state whose syncs go through torchft; heals, retries and commits around the optimizer's steps."""

@@ -39,9 +39,11 @@ VARIANTS = {
                        "outer_momentum": 0.9, "payload": "int8", "error_feedback": True, "overlap_steps": 1,
                        "fragments": 2},
     # replica groups whose ranks each sync their part across groups and share it inside the group (process
-    # sets across the groups; a broadcast inside a process set); plain averaging with 2 ranks (group of 1)
+    # sets across the groups; a broadcast inside a process set); with 2 ranks (groups of 1) the key would act on
+    # nothing, so it is left out (a config that sets it there is refused) and this is plain int8 averaging
     "qsr-hierarchical": {"type": "qsr", "h_base": 3, "warmup_steps": 2, "init_h": 1, "group_size": args.group_size,
-                         "hierarchical": True, "payload": "int8", "error_feedback": True, "overlap_steps": 1},
+                         "payload": "int8", "error_feedback": True, "overlap_steps": 1,
+                         **({"hierarchical": True} if args.group_size > 1 else {})},
     # sparse payload (top-k per chunk, int4 values, stochastic rounding) with the period-aware outer step, averaged
     # by the two-step exchange (Horovod's alltoall, then its allgather) even on 2 ranks
     "qsr-topk-int4": {"type": "qsr", "h_base": 3, "warmup_steps": 2, "init_h": 1, "payload": "topk",

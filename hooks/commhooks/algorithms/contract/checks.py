@@ -151,7 +151,7 @@ def verify_same_everywhere(comm: Comm, what: str, description: dict) -> None:
         )
 
 
-def _flat(description: dict) -> Dict[str, object]:
+def flat_description(description: dict) -> Dict[str, object]:
     """``description`` one level into its dicts: ``{"config": {"h_base": 4}}`` -> ``{"config.h_base": 4}``."""
     flat: Dict[str, object] = {}
     for key, value in description.items():
@@ -162,33 +162,6 @@ def _flat(description: dict) -> Dict[str, object]:
     return flat
 
 
-def differences_across(comm: Comm, description: dict) -> Dict[str, List[object]]:
-    """The keys of ``description`` (JSON-able; one level into dicts: ``config.h_base``) whose values differ between
-    the members of ``comm``, each with every member's value in rank order (``None`` where a member lacks the key);
-    ``{}`` where all agree.  One 48-byte max/min allreduce; only on a difference, an allgather of every member's
-    description, so that every member can name every value (a group told "differs" without the other's value
-    cannot say which side to fix)."""
-    if comm.size == 1:
-        return {}
-    flat = _flat(json.loads(json.dumps(description, sort_keys=True, default=str)))
-    blob = json.dumps(flat, sort_keys=True).encode()
-    digest = hashlib.sha256(blob).digest()
-    words = torch.tensor([int.from_bytes(digest[i:i + 3], "big") for i in range(0, 24, 3)], dtype=torch.float64,
-                         device=comm.device)
-    hi, lo = spread_over_ranks(comm, words)
-    if torch.equal(hi, lo):
-        return {}
-    longest = torch.tensor([float(len(blob))], dtype=torch.float64, device=comm.device)
-    comm.allreduce([longest], op="max", tag="check", metered=False)
-    padded = torch.zeros(int(longest.item()), dtype=torch.float32, device=comm.device)
-    padded[:len(blob)] = torch.tensor(list(blob), dtype=torch.float32, device=comm.device)
-    theirs = [json.loads(bytes(int(b) for b in t.tolist()).rstrip(b"\0").decode())
-              for t in comm.allgather(padded, tag="check", metered=False)]
-    keys = sorted(set().union(*theirs))
-    return {k: [t.get(k) for t in theirs] for k in keys if len({json.dumps(t.get(k), sort_keys=True)
-                                                                for t in theirs}) > 1}
-
-
 _SLOTS = 4096  # (32 kB, on the error path only: two keys share a slot rarely, then both are named)
 
 
@@ -196,7 +169,7 @@ def _keys_that_differ(comm: Comm, description: dict) -> Dict[str, object]:
     """The keys of ``description`` (one level into dicts: ``config.h_base``) whose values differ on some rank, with
     this rank's values.  Each key's digest is summed into one of a fixed number of slots (chosen by the key's
     name), so the ranks' tensors line up even when their keys differ."""
-    flat = _flat(description)
+    flat = flat_description(description)
     slot = {k: int.from_bytes(hashlib.sha256(k.encode()).digest()[:2], "big") % _SLOTS for k in flat}
     sums = torch.zeros(_SLOTS, dtype=torch.float64, device=comm.device)
     for k, v in flat.items():

@@ -43,7 +43,7 @@ def report(state) -> dict:
             # the run's length and warm-up as the state uses them (an integration may have filled them in from
             # the trainer's scheduler: the only place a user sees that it did)
             "schedule": {k: getattr(state.config, k) for k in getattr(type(state.config), "schedule_keys", {})},
-            # where this process's steps spent their time, phase by phase (contract/phases.py)
+            # where this process's steps spent their time, phase by phase (commhooks/phases.py)
             **state.sync_context.phases.report(state.sync_context.phases.steps),
             **state.algorithm_report()}
 

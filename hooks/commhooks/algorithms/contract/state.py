@@ -147,12 +147,10 @@ class AlgorithmHooks:
 class AlgorithmState(AlgorithmHooks, Joinable, Reporting, DeprecatedNames):
     """Base class of every algorithm's state; the module docstring is the contract.
 
-    ``optimizer``: the optimizer whose steps drive the schedule, or a list of them in the order the loop steps
-    them (the first one's pre-hook starts an iteration, the last one's post-hook ends it).  ``model``: the
-    (possibly wrapped) model; ``named_parameters`` replaces it where only those are at hand (Horovod).
-    ``engine``: facts from the adapter (default: derived from ``model``).  ``comm`` / ``process_group``: where
-    the collectives go.  ``config=`` (object, dict, JSON path) or keyword settings, not both.  Built
-    collectively: every rank constructs it at the same point (the handshake is a collective).
+    ``optimizer``: the one whose steps drive the schedule, or a list in the order the loop steps them.  ``model``:
+    the (possibly wrapped) model, or ``named_parameters`` where only those are at hand (Horovod).  ``engine``: the
+    adapter's facts (default: from ``model``).  ``comm`` / ``process_group``: where the collectives go.  ``config=``
+    (object, dict, JSON path) or keyword settings, not both.  Every rank builds it at the same point (a collective).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, model: Optional[torch.nn.Module] = None,

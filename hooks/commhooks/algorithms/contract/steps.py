@@ -1,10 +1,9 @@
 """Every step and every sync, from the contract's side: the optimizer step hooks, and the narrow context a sync gets.
 
 Local methods issue collectives at points each rank computes for itself, so a rank that takes a different number of
-steps pairs the wrong collectives.  The one contract module a step runs through (``tests/test_sync_trace.py``):
-:class:`StepAlignment` (the optimizer step hooks: GradScaler, strays, the NaN/Inf guard, counting),
-:class:`NonfiniteGuard` (NaN/Inf recorded on the device, read only at a sync or a checkpoint: no host stall per
-step), :class:`SyncContext` (all a sync needs from its state; an algorithm's sync code gets it, never the state).
+steps pairs the wrong collectives.  The one contract module a step runs through: :class:`StepAlignment` (the
+optimizer step hooks: GradScaler, strays, the NaN/Inf guard, counting), :class:`NonfiniteGuard` (NaN/Inf kept on
+the device, read only at a sync or a checkpoint), :class:`SyncContext` (all a sync needs; never the state).
 
 **The step proof** rides in every sync's payload (a few float32 elements of the same call): the step in base 64
 (three limbs and their squares: ranks agree iff ``n * sum(x^2) == (sum x)^2`` for each, the same verdict on every
@@ -23,25 +22,24 @@ import torch
 from ...comm import CollectiveError
 from ..averaging import average_
 from .checks import DivergenceError, count_everywhere, first_bad, nonfinite_error, nonfinite_message, verify_identical
-from .phases import PhaseClock
+from ...phases import PhaseClock
 
 _LIMBS = 3  # steps below 262,144 compared exactly, beyond that modulo it
 _SCALE, _NONFINITE = 2 * _LIMBS + 1, 2 * _LIMBS + 3  # indices of log2(scale) (its square follows), the NaN flag
 PROOF_ELEMENTS = _NONFINITE + 1
 STEP_PROOF_BYTES = 4 * PROOF_ELEMENTS  # added to the payload of every sync
 LIKELY_CAUSES = (
-    "likely causes: a rank called optimizer.step() a different number of times (an extra or a missing step, "
-    "a second optimizer stepped on one rank only), uneven inputs without "
-    "`with torch.distributed.algorithms.join.Join([ddp_model, state])`, or a GradScaler-like wrapper that "
-    "skips optimizer.step() on some ranks (torch.amp.GradScaler itself is handled)")
+    "likely causes: a rank called optimizer.step() a different number of times (an extra or a missing step, a second "
+    "optimizer stepped on one rank only), uneven inputs without `with torch.distributed.algorithms.join.Join("
+    "[ddp_model, state])`, or a GradScaler-like wrapper that skips optimizer.step() on some ranks "
+    "(torch.amp.GradScaler itself is handled)")
 _COLLECTIVE_HINT = ("if a peer has finished its data (uneven inputs), wrap the loop in "
                     "`with torch.distributed.algorithms.join.Join([ddp_model, state]):`; if a peer died or is stuck, "
                     "its own log says why")
 
 
 def step_proof(step: int, scale=None, nonfinite: Optional[torch.Tensor] = None, device=None) -> torch.Tensor:
-    """The elements a rank adds to its sync payload: its step, log2 of ``scale`` (a float or a one-element tensor,
-    read on the device), ``nonfinite`` (a one-element float32 tensor, 1 or 0); made on ``device``."""
+    """A rank's proof elements, on ``device``: ``step``, log2 of ``scale`` (float or tensor), ``nonfinite`` (0/1)."""
     device = torch.device("cpu") if device is None else device
     limbs = ((step >> 0) & 63, (step >> 6) & 63, (step >> 12) & 63)  # _LIMBS of them
     counters = torch.tensor(limbs + (limbs[0] ** 2, limbs[1] ** 2, limbs[2] ** 2, float(step)), dtype=torch.float32,
@@ -67,8 +65,7 @@ def check_step_proof(sums: Sequence[float], step: int, size: int, rank: int, wha
 
 
 def _norms_not_finite(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per gradient, True where its L2 norm is not finite (``clip_grad_norm_(error_if_nonfinite=True)``'s test):
-    one fused ``torch._foreach_norm`` per (device, dtype), half squares summed in fp32; no host read."""
+    """Per gradient, True where its L2 norm is not finite: one fused ``_foreach_norm`` per (device, dtype)."""
     groups: Dict[tuple, List[int]] = defaultdict(list)
     for i, g in enumerate(grads):
         groups[(g.device, g.dtype, g.layout)].append(i)
@@ -96,8 +93,7 @@ class NonfiniteGuard:
         self.index: Dict[Tuple[int, ...], torch.Tensor] = {}  # positions -> on the device, made once per set
 
     def observe(self, named: Sequence[Tuple[int, Optional[torch.Tensor]]], step: int, record: bool = True):
-        """Check ``(position in names, gradient)`` pairs, (``record``) keep each one's first bad step; the bad
-        flags per parameter (on the device), or None without gradients."""
+        """Check ``(position, gradient)`` pairs (``record``: keep the first bad step); bad flags, or None."""
         positions, grads = [], []
         for i, g in named:
             if g is not None:
@@ -224,8 +220,7 @@ class SyncContext:
             self.engine_refresh()
 
     def synced(self, group=None, complete: bool = True) -> None:
-        """Count a sync (``complete``: every rank now holds the same weights); every ``check_every``-th, prove
-        that ``group`` agrees on what it made identical."""
+        """Count a sync (``complete``: all ranks hold the same weights); every ``check_every``-th, prove it."""
         self.changed()
         self.syncs += 1
         self.sync_steps.append(self.step)
@@ -291,7 +286,6 @@ class StepAlignment:
         if self.uncounted or self.outside:
             return
         state, ctx = self.state, self.ctx
-        # (the step hooks' own time, and the compute before the first optimizer's: ctx.phases)
         with ctx.phases.hook(before_step=True) if starts else contextlib.nullcontext():
             params = []
             for group in optimizer.param_groups:
@@ -338,8 +332,7 @@ class StepAlignment:
             self.state.log()
 
     def new_parameters(self) -> List[str]:
-        """Parameters that became trainable or joined an optimizer since, taken in by the state (its handshake only
-        when a look at the ids finds one); their names."""
+        """Parameters that became trainable or joined an optimizer since, taken in by the state; their names."""
         ps = self.params
         for p in ps.module.parameters() if ps.module is not None and not ps.names_given else ():
             if p.requires_grad and id(p) not in ps.ids:
@@ -390,8 +383,7 @@ class StepAlignment:
                 p.grad = None
 
     def agree_on_period(self, local: Optional[int]) -> Optional[int]:
-        """The max over ranks inside a Join (a joined rank sends 0) or when the engine may leave some ranks' lr
-        behind (``lr_may_differ``); otherwise ``local``, no communication."""
+        """The max over ranks inside a Join (a joined rank sends 0) or where ranks' lr may differ, else ``local``."""
         comm = self.ctx.comm
         joining = self.join_config is not None and self.join_config.enable
         if not (joining or self.state.engine.lr_may_differ) or comm.size == 1:

@@ -48,7 +48,7 @@ from ...comm import Comm, Work
 from ...comm.base import flatten
 from ...settings import ConfigError
 from ..contract.checks import anywhere, same_everywhere
-from ..contract.phases import PhaseClock
+from ...phases import PhaseClock
 from ...payload import Codec, OwnerFeedback, flat_into, reused, start_change_mean, write_flat
 from .plan import SyncPlan, split_fragments
 
