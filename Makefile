@@ -54,7 +54,7 @@ gpu-bundle:
 bench: install
 	$(VENV)/bin/commhooks bench --repeats 1 --out results/bench
 
-# the README's MNIST-1D table under the protocol (DESIGN section 18): time from 9 interleaved repeats at 100 Mbit/s,
+# the README's MNIST-1D table under the protocol (docs/pages/tools/measure.md): time from 9 interleaved repeats at 100 Mbit/s,
 # quality on the search's seeds 0-2 and the held-out seeds 3-5 (about 35 min here, nothing else running)
 bench-headline: install
 	$(VENV)/bin/commhooks bench --bandwidths 100mbit --repeats 9 --seeds 0,1,2,3,4,5 --search-seeds 0,1,2 \
@@ -67,7 +67,7 @@ bench-gpt: install
 		--methods ddp,powersgd-r4,local-sgd-h8,qsr,qsr-constant,qsr-power1,qsr-diloco-int8-overlap,ab-groups,ab-groups-full,ab-x-qsr,compute-only \
 		--out results/bench-gpt
 
-# the README's GPT table under the protocol (DESIGN section 18): quality on seeds 0-5 (the configurations were
+# the README's GPT table under the protocol (docs/pages/tools/measure.md): quality on seeds 0-5 (the configurations were
 # chosen on 0-2), time from 3 interleaved repeats at 100 Mbit/s; PowerSGD (50 steps of plain allreduce first) and
 # QSR (its period grows as the learning rate decays) timed over the whole schedule, the others over its first 100
 # steps. About 4 hours on this 2-core machine: --resume goes on from the last finished stage at the same commit

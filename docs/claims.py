@@ -3,7 +3,7 @@
     python docs/claims.py            # each claim: its figure in the prose, the value its source gives, ok / DIFFERS
     python docs/claims.py --check    # exit 1 on any difference or unsourced figure (tests/test_claims.py runs it)
 
-Why (DESIGN section 18): a rerun left the prose behind more than once (a baseline from another day, a 300-step
+Why (docs/pages/tools/measure.md): a rerun left the prose behind more than once (a baseline from another day, a 300-step
 figure beside a 1000-step table).  So the figures of the measured sections are data, not text:
 
 * ``docs/claims.toml`` lists each claim: the file and a phrase of the line that holds the figure, the figure as

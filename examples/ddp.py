@@ -23,7 +23,7 @@ CONFIGS = {
     "qsr": {"type": "qsr", "alpha": 0.01, "h_base": 4, "warmup_steps": 20},
     "ab": {"type": "ab", "warmup_steps": 30, "sync_period": 20, "full_rank_steps": 2, "group_size": 1,
            "rank_cutoff": 0.8, "min_compression_rate": 1.5},
-    "outer-int8": {"type": "qsr", "alpha": 0.01, "h_base": 4, "warmup_steps": 20, "outer_lr": 0.7,
+    "outer-int8": {"type": "qsr", "alpha": 0.01, "h_base": 8, "warmup_steps": 20, "outer_lr": 0.7,
                    "outer_momentum": 0.9, "payload": "int8", "error_feedback": True, "overlap_steps": 1},
     # --8<-- [end:configs]
 }

@@ -52,7 +52,7 @@ class Net(nn.Module):
 
 torch.manual_seed(0)
 model = Net().to(device)
-config = {"type": "qsr", "alpha": 0.01, "h_base": 4, "warmup_steps": 20, "outer_lr": 0.7, "outer_momentum": 0.9,
+config = {"type": "qsr", "alpha": 0.01, "h_base": 8, "warmup_steps": 20, "outer_lr": 0.7, "outer_momentum": 0.9,
           "payload": "int8", "error_feedback": True, "overlap_steps": 1}
 
 # --8<-- [start:fsdp]

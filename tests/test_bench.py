@@ -40,7 +40,7 @@ def test_quick_bench_has_every_field_for_every_method(tmp_path):
     for f in ("table.md", "accuracy_vs_bytes.png", "time_vs_bandwidth.png"):
         assert (tmp_path / f).stat().st_size > 0
     assert "| ab-x-qsr |" in (tmp_path / "table.md").read_text()
-    # the protocol's record (DESIGN section 18): the commit, the pinning, the load; per method its config's hash,
+    # the protocol's record (docs/pages/tools/measure.md): the commit, the pinning, the load; per method its config's hash,
     # how a repeat's pace was taken, and the paired ratios (one repeat here: said so in the table)
     setup = results["setup"]
     assert len(setup["commit"]) == 40 and isinstance(setup["dirty"], bool), setup

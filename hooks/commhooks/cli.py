@@ -32,7 +32,7 @@ class MixedRuns(ValueError):
 def table(paths: Sequence[str], mixed: bool = False) -> str:
     """A markdown table of run summaries (JSON files from ``train --json-out``), first row = baseline.
 
-    Its ratios divide figures of different runs, so they must come from one commit (DESIGN section 18: DDP's GPT
+    Its ratios divide figures of different runs, so they must come from one commit (docs/pages/tools/measure.md: DDP's GPT
     loss moved between commits): summaries of several commits (or of none recorded beside one recorded) are
     refused with :class:`MixedRuns`, unless ``mixed``, and then the table says so under it."""
     runs = [json.loads(Path(p).read_text()) for p in paths]

@@ -10,7 +10,7 @@ give the bytes on the wire for torch's hooks and ours alike, and ``tc``
 (netem delay + tbf rate) on each veth makes the link slow.  Every method runs
 the same model, seed, data order and number of optimizer steps through
 ``commhooks.tools.train`` (the workers).  Quality and time are measured apart
-(DESIGN section 18): the quality column comes from full runs on an unlimited link,
+(docs/pages/tools/measure.md): the quality column comes from full runs on an unlimited link,
 one per seed (the link changes only the time); the time comes from ``--repeats``
 interleaved runs at each link setting (``--time-steps``: only the schedule's
 first steps), each timed after its first tenth, each method's run between two
@@ -112,7 +112,7 @@ METHODS: Dict[str, List[str]] = {
     "qsr-nosync": ["--config", "configs/qsr_nosync_mnist1d.json"],  # syncs switched off: commhooks' per-step floor
     "compute-only": ["--hook", "compute-only"],
 }
-DEFAULT_REPEATS = 15  # DESIGN section 18: why 15, and what 9 and 25 gave: results/bench-protocol-mnist1d-2026-12-06
+DEFAULT_REPEATS = 15  # docs/pages/tools/measure.md: why 15, and what 9 and 25 gave: results/bench-protocol-mnist1d-2026-12-06
 CONTROLS = ("qsr-nosync",)  # methods that measure a floor, never one to choose (the planner's list leaves them out)
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
 
@@ -347,7 +347,7 @@ def run_bandwidth(methods: Sequence[str], args, lab: Optional[NetnsLab], out: Pa
 def finished_stage(out: Path, spec: dict) -> bool:
     """Whether ``out`` holds a finished stage of exactly this spec, run at this commit: a long run (the GPT
     headline: some four hours on 2 cores) can then stop and go on with ``--resume`` without mixing commits
-    (DESIGN section 18: one run, one commit).  A stage of another spec is run again; one of another commit, or
+    (docs/pages/tools/measure.md: one run, one commit).  A stage of another spec is run again; one of another commit, or
     from a checkout with uncommitted changes, is an error rather than a silent mix."""
     done = out / "done.json"
     if not done.exists():

@@ -1,6 +1,6 @@
 """Where a figure came from: the commit that ran it and a hash of the config it ran.
 
-Why (DESIGN section 18, "one run, one commit"): DDP's GPT seed-0 loss was 1.3847 in three runs and 1.3760 some
+Why (docs/pages/tools/measure.md, "one run, one commit"): DDP's GPT seed-0 loss was 1.3847 in three runs and 1.3760 some
 50 commits later, so a table that divides figures of two commits measures the code change as much as the method.
 Every summary ``commhooks train`` writes and every row of ``commhooks bench`` carries both, and ``commhooks table``
 refuses to put runs of different commits in one table unless asked.

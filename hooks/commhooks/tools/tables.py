@@ -98,9 +98,52 @@ def ab_trade(results: dict, run_dir: str, methods: Sequence[str], baseline: str 
     return rows
 
 
+def choice_rows(results: dict, choices: Sequence[Dict[str, str]], runs_dir: Optional[str] = None,
+                baseline: str = "ddp", floor: str = "compute-only") -> List[str]:
+    """The choosing guide's decision table from a ``commhooks bench`` run under the protocol, one row per choice
+    (``situation``; ``start``: what to configure; ``method``: its name in the run): the memory commhooks keeps
+    beside the model and its optimizer, as a multiple of the weights (``report()["memory_vs_weights"]`` of rank 0
+    on the first held-out seed, read from ``runs_dir``; "-" for a method commhooks does not run), the quality
+    against ``baseline`` seed by seed on the held-out seeds (mean and range), the share of ``baseline``'s bytes
+    across the node links, and the step time over ``floor``'s at the run's slowest link
+    (:func:`~.timing.describe`: an interval only from enough repeats, else the range)."""
+    from . import timing
+    from .bench import compared_bytes
+
+    seeds = [str(s) for s in results["setup"]["seeds"]]
+    search = {str(s) for s in results["setup"].get("search_seeds") or []}
+    held = [s for s in seeds if s not in search] or seeds
+    base = results["methods"][baseline]
+    base_sent = compared_bytes(results, base)
+    bw = results["setup"]["bandwidths"][-1]
+    rows = []
+    for choice in choices:
+        name = choice["method"]
+        m = results["methods"][name]
+        memory = "-"
+        rank0 = Path(runs_dir) / f"seed{held[0]}" / f"{name}.rank0.json" if runs_dir else None
+        if rank0 is not None and rank0.is_file():
+            kept = (json.loads(rank0.read_text()).get("report") or {}).get("memory_vs_weights")
+            memory = "-" if kept is None else f"{kept:.2f}x the weights"
+        if name == baseline:
+            quality = "-"
+        elif m.get("val_loss") is not None:
+            diff = [100 * (m["quality_by_seed"][s] / base["quality_by_seed"][s] - 1) for s in held]
+            quality = f"loss {sum(diff) / len(diff):+.1f} % ({min(diff):+.1f} to {max(diff):+.1f})"
+        else:
+            diff = [100 * (m["quality_by_seed"][s] - base["quality_by_seed"][s]) for s in held]
+            quality = f"accuracy {sum(diff) / len(diff):+.1f} points ({min(diff):+.1f} to {max(diff):+.1f})"
+        sent = compared_bytes(results, m)
+        share = "-" if name == baseline or sent is None or not base_sent else f"{100 * sent / base_sent:.2f} %"
+        paired = m.get("ratios", {}).get(bw) or {}
+        time = "-" if name == floor else timing.describe(paired.get("vs compute-only"))
+        rows.append("| " + " | ".join([choice["situation"], choice["start"], memory, quality, share, time]) + " |")
+    return rows
+
+
 def headline_rows(results: dict, methods: Sequence[str], labels: Optional[Dict[str, str]] = None,
                   baseline: str = "ddp", floor: str = "compute-only", window_columns: bool = False) -> List[str]:
-    """A ``commhooks bench`` run under the protocol (DESIGN section 18), one row per method: its label, quality
+    """A ``commhooks bench`` run under the protocol (docs/pages/tools/measure.md), one row per method: its label, quality
     on the held-out seeds, the search seeds' in brackets, the held-out seeds' mean difference from ``baseline``
     seed by seed (a loss in %, an accuracy in points; ``(lo to hi)``: the seeds' range), syncs, the MB a rank sent across the node links (all it
     sent on one node), that as a share of ``baseline``'s, the step time over ``floor``'s and ``baseline``'s step

@@ -1,6 +1,6 @@
 """Step-time ratios that resolve: paired repeats, a pace per repeat, and a bootstrap interval of the median.
 
-Why (DESIGN section 18): on this 2-core machine one method's repeats of compute-only spread 4.62-7.10 ms per
+Why (docs/pages/tools/measure.md): on this 2-core machine one method's repeats of compute-only spread 4.62-7.10 ms per
 step, and its two ranks' medians differed by 27 %.  A ratio from one repeat, or from the slowest of ranks that
 never wait for each other, can land anywhere from 0.85x to 1.39x for the same code.  So:
 

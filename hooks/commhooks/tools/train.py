@@ -405,7 +405,7 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
     counter = PayloadCounter()
     start = time.perf_counter()
     # the timed window: every step but the run's first (the process group's and DDP's one-off set-up, the same for
-    # every method); its time, bytes and syncs are counted over the same steps (DESIGN section 18: one window)
+    # every method); its time, bytes and syncs are counted over the same steps (docs/pages/tools/measure.md: one window)
     last = args.steps if args.stop_after is None else args.stop_after  # a timing window: the schedule's first steps
     window_from = first_step + 1 if last - first_step > 1 else None
     window_start = window_end = None
