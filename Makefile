@@ -36,6 +36,7 @@ test-oldest-torch:
 
 # the documentation site (docs/mkdocs.yml), strict: a broken link, a missing snippet or page fails it
 docs: install
+	$(VENV)/bin/python docs/concepts.py
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -f docs/mkdocs.yml
 
 docs-serve: install

@@ -159,6 +159,24 @@ def _run(cmd, env=None, timeout=400, world=2):
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
+def test_concept_pictures_are_drawn_from_the_code_and_shown(tmp_path):
+    """docs/concepts.py draws the four concept pictures from commhooks' own code, and what each shows holds: DDP
+    sends tens of times the int2 syncs' bytes, the rule fewer than the fixed period, its period grows past h_base
+    as the lr decays; each picture is on a page, and the committed ones are what the script draws today."""
+    sys.path.insert(0, str(REPO / "docs"))
+    import concepts
+
+    facts = concepts.main(tmp_path)
+    ddp, fixed, rule = facts["traffic_mb"].values()
+    assert ddp > 50 * fixed and rule < fixed, facts["traffic_mb"]
+    assert facts["period"]["first"] == 4 and facts["period"]["longest"] > 10 * 4, facts["period"]
+    shown = "\n".join(p.read_text() for p in PAGES.rglob("*.md"))
+    for name in ("traffic", "period", "groups", "overlap"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000, name
+        assert f"pictures/{name}.png" in shown, f"{name}.png is on no page"
+        assert (PAGES / "pictures" / f"{name}.png").is_file(), f"run `python docs/concepts.py`: {name}.png"
+
+
 def test_quickstart_example():
     out = _run(TORCHRUN + ["examples/quickstart.py"])
     assert "of DDP's bytes" in out
