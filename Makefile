@@ -27,7 +27,7 @@ demo: install-core
 	echo "demo: trained and compared in $$(( $$(date +%s) - start )) s"
 
 # the whole suite on torch 2.13 (2 workers, then the `serial` tests alone), then its core on the oldest torch
-# setup.cfg accepts (.ci/oldest-torch.sh says why); ends with its wall time and the 10 slowest tests (.ci/test.sh)
+# setup.cfg accepts (.ci/oldest-torch.sh says why); ends with its wall time and the 40 slowest tests (.ci/test.sh)
 test: install gpu-bundle
 	@bash .ci/test.sh
 

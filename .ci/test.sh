@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make test`: the whole suite on torch 2.13, then its core on the oldest torch setup.cfg accepts
-# (.ci/oldest-torch.sh), and at the end the wall time and the 10 slowest tests, whatever failed.
+# (.ci/oldest-torch.sh), and at the end the wall time and the 40 slowest tests, whatever failed.
 #
 # Each leg runs in two phases (.ci/pytest-phases.sh): the tests that time nothing on 2 pytest-xdist workers, then
 # the tests marked `serial` alone, on a quiet machine (a deadline, a heartbeat, a port nobody reserved).
@@ -17,5 +17,5 @@ pytest_phases "$VENV/bin/python" main
 echo "test: the core on the oldest torch"
 bash .ci/oldest-torch.sh || status=$?
 
-"$VENV/bin/python" .ci/slowest.py --since "$start" "$REPORTS"/*.xml
+"$VENV/bin/python" .ci/slowest.py --since "$start" --top 40 "$REPORTS"/*.xml
 exit "$status"
