@@ -180,7 +180,7 @@ def test_seeds_held_out_time_windows_and_resume(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMHOOKS_CACHE=str(REPO / ".cache"), PYTHONPATH=str(repo / "hooks"))
     argv = [sys.executable, "-m", "commhooks.cli", "bench", "--quick", "--seeds", "0,1", "--search-seeds", "0",
-            "--time-steps", "10", "--methods", "compute-only,qsr,qsr-constant,qsr-power1,qsr-nosync",
+            "--time-steps", "10", "--methods", "compute-only,qsr,qsr-constant,qsr-power1,qsr-nosync,floor-hooks",
             "--whole-schedule", "qsr-nosync", "--out", str(out)]
 
     def run(*extra):
@@ -216,6 +216,11 @@ def test_seeds_held_out_time_windows_and_resume(tmp_path):
     assert f"| {qsr['config_sha256'][:8]} |" in text and f"commit {setup['commit'][:7]}" in text, text
     assert "the schedule's first 10 steps (qsr-nosync: the whole schedule)" in text, text
     assert "chosen on seeds 0" in text, text
+    # each commhooks method's time over its floor (its hooks, no sync: groups of 1 rank here), repeat by repeat
+    over = qsr["ratios"]["unlimited"]["vs its floor"]
+    assert over["floor"] == "floor-hooks" and over["repeats"] == 1 and over["median"] > 0, over
+    assert "vs its floor" not in results["methods"]["floor-hooks"]["ratios"]["unlimited"]
+    assert "vs its floor unlimited" in text and "(floor-hooks)" in text, text
 
     (out / "seed1" / "done.json").unlink()  # as if stopped during seed 1
     kept = {f: f.stat().st_mtime_ns for f in (out / "time-unlimited").glob("*.rank0.json")}

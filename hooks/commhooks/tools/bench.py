@@ -110,10 +110,14 @@ METHODS: Dict[str, List[str]] = {
     "qsr-sparseloco-d2-lr2": ["--config", "configs/qsr_sparseloco_d2_lr2_mnist1d.json"],  # at outer lr 2
     "qsr-sparseloco-d2-lr2-overlap2": ["--config", "configs/qsr_sparseloco_d2_lr2_overlap2_mnist1d.json"],  # + overlap
     "qsr-nosync": ["--config", "configs/qsr_nosync_mnist1d.json"],  # syncs switched off: commhooks' per-step floor
+    # the floors a method cannot go below on its set-up (FLOORS): its hooks with no sync, and with replica groups
+    # also their in-node gradient mean every step, nothing across the nodes (both end with one sync: the run's last)
+    "floor-hooks": ["--config", "configs/floor_hooks_mnist1d.json"],
+    "floor-in-node": ["--config", "configs/floor_in_node_mnist1d.json"],
     "compute-only": ["--hook", "compute-only"],
 }
 DEFAULT_REPEATS = 15  # docs/pages/tools/measure.md: why 15, and what 9 and 25 gave: results/bench-protocol-mnist1d-2026-12-06
-CONTROLS = ("qsr-nosync",)  # methods that measure a floor, never one to choose (the planner's list leaves them out)
+CONTROLS = ("qsr-nosync", "floor-hooks", "floor-in-node")  # methods that measure a floor, never one to choose (the planner's list leaves them out)
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
 
 
@@ -550,6 +554,16 @@ def repace(results: dict) -> bool:
     return changed
 
 
+def floor_of(config: Optional[dict]) -> Optional[str]:
+    """The floor method whose time a commhooks method cannot go below: ``floor-in-node`` for a config with replica
+    groups of several ranks (``group_size`` null: a node's ranks; or > 1), else ``floor-hooks``; None for a method
+    that is not commhooks' (DDP, PyTorch's hooks) or a floor itself."""
+    if not config or config.get("type") in (None, "none") or config.get("h_base") == 1000000000:
+        return None
+    size = config.get("group_size", 1)
+    return "floor-in-node" if size is None or size > 1 else "floor-hooks"
+
+
 def add_ratios(results: dict, target: Optional[float] = None) -> None:
     """Each method's paired ratios per link setting: its pace over compute-only's (the speed limit) and DDP's
     over its (how much faster), repeat by repeat, with the median's 95 % interval (timing.py); ``target``: a
@@ -580,6 +594,10 @@ def add_ratios(results: dict, target: Optional[float] = None) -> None:
             else:
                 over_ddp = timing.paired_ratio(ddp["step_ms_paces"][bw], own)
             m["ratios"][bw] = {"vs compute-only": vs_floor, "ddp over this": over_ddp}
+            own_floor = methods.get(floor_of(m.get("config")) or "")
+            if own_floor is not None and bw in own_floor["step_ms_paces"]:  # repeat k over the floor's repeat k
+                m["ratios"][bw]["vs its floor"] = {**timing.paired_ratio(own, own_floor["step_ms_paces"][bw]),
+                                                   "floor": floor_of(m.get("config"))}
 
 
 def cpu_clock() -> dict:
@@ -680,6 +698,8 @@ def table(results: dict) -> str:
     head += ["syncs", "payload/rank" + (" (incl. in-node)" if nodes else ""), "vs DDP" + (" (cross-node)" if nodes else ""),
              "wire tx/rank", "config"]
     head += [f"ms/step {bw}" for bw in bws] + [f"vs compute-only {bws[-1]}", f"vs DDP {bws[-1]}", f"overhead vs DDP {bws[0]}"]
+    floors = any("vs its floor" in (m.get("ratios", {}).get(bws[-1]) or {}) for m in methods.values())
+    head += [f"vs its floor {bws[-1]}"] if floors else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in methods.items():
         payload = m["payload_bytes_per_rank"]
@@ -700,6 +720,9 @@ def table(results: dict) -> str:
             row.append(f"{m['step_ms'][last] / floor['step_ms'][last]:.2f}x" if floor else "-")
             row.append(f"{ddp['step_ms'][last] / m['step_ms'][last]:.2f}x faster" if ddp else "-")
         row.append(f"{m['step_ms'][first] / ddp['step_ms'][first]:.2f}" if ddp else "-")
+        if floors:
+            over = (paired or {}).get("vs its floor")
+            row.append("-" if over is None else f"{timing.describe(over)} ({over['floor']})")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines + ["", provenance_line(results)])
 

@@ -142,14 +142,17 @@ def choice_rows(results: dict, choices: Sequence[Dict[str, str]], runs_dir: Opti
 
 
 def headline_rows(results: dict, methods: Sequence[str], labels: Optional[Dict[str, str]] = None,
-                  baseline: str = "ddp", floor: str = "compute-only", window_columns: bool = False) -> List[str]:
+                  baseline: str = "ddp", floor: str = "compute-only", window_columns: bool = False,
+                  floor_columns: bool = False) -> List[str]:
     """A ``commhooks bench`` run under the protocol (docs/pages/tools/measure.md), one row per method: its label, quality
     on the held-out seeds, the search seeds' in brackets, the held-out seeds' mean difference from ``baseline``
     seed by seed (a loss in %, an accuracy in points; ``(lo to hi)``: the seeds' range), syncs, the MB a rank sent across the node links (all it
     sent on one node), that as a share of ``baseline``'s, the step time over ``floor``'s and ``baseline``'s step
     time over this, each ``median [95 % interval]`` from the run's interleaved repeats.  ``window_columns``: after
     the whole run's syncs and bytes, the timed steps and the syncs and MB (across the node links) in those same
-    steps, which the times cover (a run recorded before windows were kept has none)."""
+    steps, which the times cover (a run recorded before windows were kept has none).  ``floor_columns``: after the
+    step time over ``floor``'s, the step time over the method's own floor (``bench.floor_of``: its hooks with no
+    sync, or with replica groups their in-node mean too), repeat by repeat, where the run has it."""
     from . import timing
     from .bench import compared_bytes
 
@@ -187,6 +190,9 @@ def headline_rows(results: dict, methods: Sequence[str], labels: Optional[Dict[s
                       "-" if sent is None else f"{sent / 1e6:.1f}"]
         paired = m.get("ratios", {}).get(bw) or {}
         cells.append("-" if name == floor else timing.describe(paired.get("vs compute-only")))
+        if floor_columns:
+            own = paired.get("vs its floor")
+            cells.append("-" if own is None else f"{timing.describe(own)} ({own['floor']})")
         cells.append("-" if name == baseline else timing.describe(paired.get("ddp over this")))
         rows.append("| " + " | ".join(cells) + " |")
     return rows
