@@ -221,6 +221,24 @@ def test_seeds_held_out_time_windows_and_resume(tmp_path):
     assert over["floor"] == "floor-hooks" and over["repeats"] == 1 and over["median"] > 0, over
     assert "vs its floor" not in results["methods"]["floor-hooks"]["ratios"]["unlimited"]
     assert "vs its floor unlimited" in text and "(floor-hooks)" in text, text
+    phases = json.loads((out / "phases.json").read_text())  # the step by phase, beside its floor's
+    assert (out / "phases.png").is_file() and "phases.png" in results["plots"], results["plots"]
+    row = phases["methods"]["qsr"]
+    assert row["floor"] == "floor-hooks" and row["floor_total"] == phases["methods"]["floor-hooks"]["total"], row
+    assert row["phases"]["compute"] > 0 and row["total"] == pytest.approx(sum(row["phases"].values())), row
+    # two runs' phases side by side (two commits, in use): a phase made slower shows as its ratio
+    slower = json.loads(json.dumps(results))
+    slower["methods"]["qsr"]["phases"]["encode"]["ms_per_step"] += 2.0
+    slower["setup"]["commit"] = "f" * 40
+    (tmp_path / "after").mkdir()
+    (tmp_path / "after" / "results.json").write_text(json.dumps(slower))
+    compared = subprocess.run([sys.executable, "-m", "commhooks.cli", "bench", "--compare-phases", str(out),
+                               str(tmp_path / "after")], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    assert compared.returncode == 0, compared.stderr
+    lines = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in compared.stdout.splitlines()}
+    old = qsr["phases"]["encode"]["ms_per_step"]
+    assert f"| {old + 2.0:.3f} |" in lines[("qsr", "encode")] and "ffffff" in compared.stdout, compared.stdout
+    assert lines[("qsr", "compute")].endswith("| 1.00x |"), compared.stdout
 
     (out / "seed1" / "done.json").unlink()  # as if stopped during seed 1
     kept = {f: f.stat().st_mtime_ns for f in (out / "time-unlimited").glob("*.rank0.json")}

@@ -772,14 +772,14 @@ def title(results: dict) -> str:
 
 
 def plots(results: dict, out: Path) -> List[str]:
-    """The run's two pictures (figures.py): quality against bytes with the seeds' range, time against bandwidth
-    with the repeats' interval."""
+    """The run's pictures (figures.py): quality against bytes with the seeds' range, time against bandwidth with
+    the repeats' interval, and, where the states timed their phases, each method's step by phase beside its floor."""
     from .figures import plots as draw
 
     return draw(results, out, metric=quality_metric(results), x_of=lambda m: compared_bytes(results, m),
                 x_label=bytes_label(results), heading=title(results),
                 link=f"link per {'node' if across_nodes(results) else 'rank'} ({results['setup']['network']})",
-                ours={n for n in results["methods"] if n not in METHODS or "--config" in METHODS[n]})
+                ours={n for n in results["methods"] if n not in METHODS or "--config" in METHODS[n]}, floor_of=floor_of)
 
 
 def parse_args(argv=None):
@@ -834,6 +834,9 @@ def parse_args(argv=None):
                    help="reuse the stages (a link setting's timing, a seed's quality runs) that an earlier run of "
                         "the same command left finished in --out at this same clean commit; run the rest")
     p.add_argument("--quick", action="store_true", help="20 steps, loopback, unlimited only (a smoke test)")
+    p.add_argument("--compare-phases", nargs=2, metavar=("BEFORE", "AFTER"),
+                   help="print each method's phases (ms per step) in two recorded runs (e.g. of two commits) side by "
+                        "side with their ratio, then stop: a change that makes a step slower shows in its phase")
     p.add_argument("--replot", metavar="DIR",
                    help="only redraw DIR's table.md and pictures from its results.json (a recorded run), then stop")
     args = p.parse_args(argv)
@@ -878,6 +881,31 @@ def parse_args(argv=None):
     return args
 
 
+def compare_phases(before: dict, after: dict) -> List[str]:
+    """Markdown rows: per method in both runs and per phase (commhooks/phases.py), its ms per step in each run and
+    after / before; the runs' commits in the heading.  Rank 0's first timing run in each: one sample each, so a
+    difference is a lead to follow (rerun both under the protocol), not a verdict."""
+    from .figures import PHASE_ORDER
+
+    head = (f"| method | phase | {provenance.describe(before['setup'].get('commit'), before['setup'].get('dirty'))} "
+            f"| {provenance.describe(after['setup'].get('commit'), after['setup'].get('dirty'))} | after / before |")
+    rows = [head, "|---|---|---|---|---|"]
+    for name, old in before["methods"].items():
+        new = after["methods"].get(name)
+        if not old.get("phases") or not new or not new.get("phases"):
+            continue
+        for phase in PHASE_ORDER + ("step",):
+            if phase == "step":
+                a = sum(old["phases"][p]["ms_per_step"] for p in PHASE_ORDER if p in old["phases"])
+                b = sum(new["phases"][p]["ms_per_step"] for p in PHASE_ORDER if p in new["phases"])
+            else:
+                a = old["phases"].get(phase, {}).get("ms_per_step", 0.0)
+                b = new["phases"].get(phase, {}).get("ms_per_step", 0.0)
+            ratio = f"{b / a:.2f}x" if a else "-"
+            rows.append(f"| {name} | {phase} | {a:.3f} | {b:.3f} | {ratio} |")
+    return rows
+
+
 def replot(directory: Path) -> int:
     """Redraw a recorded run's table and pictures from its ``results.json`` (nothing is run); where today's
     pace rule reads its recorded per-rank times otherwise (``repace``), write the new reading into it first."""
@@ -898,6 +926,14 @@ def main(argv=None) -> int:
     if argv[:1] == ["--worker"]:
         return worker(argv[1])
     args = parse_args(argv)
+    if args.compare_phases:
+        runs = [json.loads((Path(d) / "results.json").read_text()) for d in args.compare_phases]
+        rows = compare_phases(*runs)
+        if len(rows) == 2:
+            raise SystemExit("commhooks bench --compare-phases: no method has phases in both runs (runs recorded "
+                             "before the phase clock have none)")
+        print("\n".join(rows))
+        return 0
     if args.replot:
         return replot(Path(args.replot))
     out = Path(args.out)

@@ -504,8 +504,53 @@ def draw_time(data: dict, path: Path, heading: str, sub: str, link: str, ours: C
     plt.close(fig)
 
 
+PHASE_ORDER = ("compute", "optimizer", "hooks", "encode", "exchange", "land")
+
+
+def phase_data(results: dict, floor_of: Callable[[Optional[dict]], Optional[str]]) -> dict:
+    """Per method with recorded phases (rank 0's first timing run, ms per step): each phase's ms, their sum, and
+    the sum of its floor's phases (``floor_of(config)``: the floor method of its set-up, where it ran)."""
+    rows = {}
+    for name, m in results["methods"].items():
+        phases = m.get("phases")
+        if not phases:
+            continue
+        ms = {p: float(phases.get(p, {}).get("ms_per_step", 0.0)) for p in PHASE_ORDER}
+        rows[name] = {"phases": ms, "total": sum(ms.values()), "floor": floor_of(m.get("config"))}
+    for row in rows.values():
+        row["floor_total"] = rows[row["floor"]]["total"] if row["floor"] in rows else None
+    return {"unit": "ms per step, rank 0, first timing run", "methods": rows}
+
+
+def draw_phases(data: dict, path: Path, heading: str, sub: str) -> None:
+    """Each method's step as stacked phases (one bar), its floor's step as a mark on the same bar."""
+    plt = _pyplot()
+    names = list(data["methods"])
+    fig, ax = plt.subplots(figsize=(9, 2.0 + 0.45 * len(names)))
+    colours = plt.get_cmap("tab10")
+    for i, name in enumerate(names):
+        left = 0.0
+        for k, phase in enumerate(PHASE_ORDER):
+            width = data["methods"][name]["phases"][phase]
+            ax.barh(i, width, left=left, color=colours(k), label=phase if i == 0 else None)
+            left += width
+        floor = data["methods"][name]["floor_total"]
+        if floor is not None and data["methods"][name]["floor"] != name:
+            ax.plot([floor, floor], [i - 0.4, i + 0.4], color="black", linewidth=2,
+                    label="its floor's step" if "its floor's step" not in ax.get_legend_handles_labels()[1] else None)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(data["unit"])
+    ax.legend(fontsize=7, ncol=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), frameon=False)
+    _headings(fig, ax, f"{heading}: where a step's time goes", sub)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plots(results: dict, out: Path, *, metric: str, x_of: Callable[[dict], Optional[float]], x_label: str,
-          heading: str, link: str, ours: Collection[str] = ()) -> List[str]:
+          heading: str, link: str, ours: Collection[str] = (),
+          floor_of: Optional[Callable[[Optional[dict]], Optional[str]]] = None) -> List[str]:
     """Write ``accuracy_vs_bytes.json`` and ``time_vs_bandwidth.json`` (the plotted values, bar ends included)
     and the two pictures into ``out``; returns the pictures' file names.
 
@@ -521,4 +566,10 @@ def plots(results: dict, out: Path, *, metric: str, x_of: Callable[[dict], Optio
     times = time_data(results)
     draw_time(times, out / "time_vs_bandwidth.png", heading, sub, link, ours)
     (out / "time_vs_bandwidth.json").write_text(json.dumps(times, indent=2) + "\n")
-    return ["accuracy_vs_bytes.png", "time_vs_bandwidth.png"]
+    drawn = ["accuracy_vs_bytes.png", "time_vs_bandwidth.png"]
+    phases = phase_data(results, floor_of or (lambda config: None))
+    if phases["methods"]:  # a run whose states timed their phases (commhooks/phases.py)
+        draw_phases(phases, out / "phases.png", heading, sub)
+        (out / "phases.json").write_text(json.dumps(phases, indent=2) + "\n")
+        drawn.append("phases.png")
+    return drawn
