@@ -13,6 +13,9 @@ start=$(date +%s)
 status=0
 . .ci/pytest-phases.sh
 
+echo "test: lint (ruff, pyproject.toml's rules)"
+"$VENV/bin/ruff" check --no-cache hooks tests docs examples .ci || status=1
+
 pytest_phases "$VENV/bin/python" main
 echo "test: the core on the oldest torch"
 bash .ci/oldest-torch.sh || status=$?

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import commhooks
 from commhooks.config import ConfigError
-from tests.dist import RankError, run_ranks
+from tests.dist import run_ranks
 
 STEPS = 12
 QSR = {"type": "qsr", "h_base": 3, "total_steps": STEPS, "check_every": 1}

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from commhooks.comm import CollectiveError, Comm
-from commhooks.comm.base import Meter, Work, flatten, unflatten_into  # still importable where callers found them
+from commhooks.comm.base import Meter, Work  # still importable where callers found them
 
 
 class Mirror(Comm):

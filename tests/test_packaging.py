@@ -7,7 +7,6 @@ The trainer's and benchmark's dependencies (matplotlib, mnist1d, tqdm, numpy) be
 
 import shutil
 import subprocess
-import sys
 import venv
 from pathlib import Path
 
