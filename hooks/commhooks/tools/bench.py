@@ -110,6 +110,13 @@ METHODS: Dict[str, List[str]] = {
     "qsr-sparseloco-d2-lr2": ["--config", "configs/qsr_sparseloco_d2_lr2_mnist1d.json"],  # at outer lr 2
     "qsr-sparseloco-d2-lr2-overlap2": ["--config", "configs/qsr_sparseloco_d2_lr2_overlap2_mnist1d.json"],  # + overlap
     "qsr-nosync": ["--config", "configs/qsr_nosync_mnist1d.json"],  # syncs switched off: commhooks' per-step floor
+    # the peers by their own code (tools/peers.py): torchft's LocalSGD and DiLoCo at commhooks' period of 4 (the
+    # outer step: SGD lr 0.7, Nesterov 0.9, the paper's), and Streaming DiLoCo (2 fragments, a step of delay, half
+    # mixing); fp32 (torchft's quantized path needs a GPU); loopback only (--netns off)
+    "torchft-localsgd-h4": ["--hook", "torchft-localsgd", "--peer-sync-every", "4"],
+    "torchft-diloco-h4": ["--hook", "torchft-diloco", "--peer-sync-every", "4"],
+    "torchft-streaming-h4": ["--hook", "torchft-diloco", "--peer-sync-every", "4", "--peer-fragments", "2",
+                             "--peer-delay", "1", "--peer-alpha", "0.5"],
     # the floors a method cannot go below on its set-up (FLOORS): its hooks with no sync, and with replica groups
     # also their in-node gradient mean every step, nothing across the nodes (both end with one sync: the run's last)
     "floor-hooks": ["--config", "configs/floor_hooks_mnist1d.json"],

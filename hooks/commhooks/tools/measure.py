@@ -70,6 +70,16 @@ class PayloadCounter:
         if self.log is not None:
             self.log.append((ranks, size))
 
+    def add(self, size: int, ranks: Optional[tuple] = None) -> None:
+        """Count a collective made outside torch.distributed's functions (torchft's Manager: tools/peers.py):
+        ``size`` bytes handed over, in the group of ``ranks`` (default: the world)."""
+        ranks = tuple(range(dist.get_world_size())) if ranks is None else ranks
+        self.bytes += size
+        self.calls += 1
+        self.by_group[ranks] = self.by_group.get(ranks, 0) + size
+        if self.log is not None:
+            self.log.append((ranks, size))
+
     def _wrap(self, owner, attr, name):
         real = getattr(owner, attr)
 

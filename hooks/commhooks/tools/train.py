@@ -36,6 +36,7 @@ from ..checkpointer import Checkpointer
 from ..comm import CollectiveError
 from ..facts import launcher_local_world_size
 from .anchors import ANCHORS, register_anchor
+from .peers import PEERS
 from . import live, provenance
 from .fault_plan import PlannedFaults, ProgressFile
 from ..algorithms.contract import AlgorithmState
@@ -43,7 +44,7 @@ from ..launch import LaunchError, init_distributed, local_cuda_index, shutdown
 from .measure import PayloadCounter, iface_bytes
 from .workloads import WORKLOADS, build_workload
 
-HOOKS = ("none", *registry.names()) + ANCHORS
+HOOKS = ("none", *registry.names()) + ANCHORS + PEERS
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -51,6 +52,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--hook", choices=HOOKS, default=None,
                    help="communication method: none = plain allreduce; " + ", ".join(registry.names()) + " = commhooks; "
                         "fp16, powersgd, local-sgd, compute-only = PyTorch's own, for comparison (DDP only); "
+                        f"{', '.join(PEERS)} = torchft's own LocalSGD / DiLoCo (tools/peers.py); "
                         "default: the type of --config, else none")
     p.add_argument("--config", help="hook settings: JSON file (configs/...) with the fields of the hook's config")
     p.add_argument("--backend", choices=("ddp", "fsdp", "deepspeed", "horovod", "torchft"), default="ddp",
@@ -96,6 +98,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--label", help="name of the run in the summary (default: the hook)")
     p.add_argument("--powersgd-rank", type=int, default=4, help="--hook powersgd: matrix approximation rank")
     p.add_argument("--local-sgd-period", type=int, default=8, help="--hook local-sgd: PeriodicModelAverager period")
+    p.add_argument("--peer-sync-every", type=int, help="--hook torchft-*: torchft's sync_every")
+    p.add_argument("--peer-fragments", type=int, default=1, help="--hook torchft-diloco: model fragments (Streaming)")
+    p.add_argument("--peer-delay", type=int, default=0, help="--hook torchft-diloco: fragment_sync_delay")
+    p.add_argument("--peer-alpha", type=float, default=0.0, help="--hook torchft-diloco: fragment_update_alpha")
     p.add_argument("--anchor-start", type=int, default=50,
                    help="--hook powersgd / local-sgd: plain allreduce steps first (as the lr warm-up)")
     p.add_argument("--checkpoint-dir", help="save per-rank checkpoints here, and resume from the latest one at start")
@@ -122,6 +128,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--log-every must be >= 0 (0 = off), got {args.log_every}")
     if args.hook in ANCHORS and args.backend != "ddp":
         p.error(f"--hook {args.hook} is PyTorch's own DDP hook: use --backend ddp")
+    if args.hook in PEERS and (args.backend != "ddp" or not args.peer_sync_every or args.peer_sync_every < 1):
+        p.error(f"--hook {args.hook} is torchft's own (each rank one replica, no engine): --backend ddp and "
+                "--peer-sync-every N (N >= 1) are needed")
     if args.clip < 0:
         p.error(f"--clip must be >= 0 (0 = off), got {args.clip}")
     if args.device == "auto":
@@ -193,7 +202,7 @@ def hook_config(args):
     hook's defaults; total_steps filled from --steps."""
     if args.hook is None:
         args.hook = "none" if args.config is None else None
-    if args.hook == "none" or args.hook in ANCHORS:
+    if args.hook == "none" or args.hook in ANCHORS or args.hook in PEERS:
         return None
     conf = cfg.load_config(args.config, kind=args.hook) if args.config else cfg.from_dict({}, kind=args.hook)
     if conf is None:
@@ -248,7 +257,14 @@ def build_trainer(args, model, conf, workload):
         groups = workload.param_groups(model, args.weight_decay)
         return build_optimizer(args.optimizer, groups, args.lr, args.momentum, args.weight_decay)
 
-    if args.backend == "ddp":
+    if args.hook in PEERS:  # torchft's own classes around the bare model: each rank one replica
+        from .peers import PeerRun
+
+        optimizer = new_optimizer()
+        state = PeerRun(args.hook, model, optimizer, args.peer_sync_every, args.peer_fragments, args.peer_delay,
+                        args.peer_alpha)
+        net, forward, step = model, model, lambda: optimizer.step()
+    elif args.backend == "ddp":
         net = wrap_ddp(model, local_buffers=conf is not None, one_bucket=args.hook == "powersgd")
         optimizer = new_optimizer()
         if args.hook in ANCHORS:
@@ -412,7 +428,9 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
     window_bytes = window_syncs = 0
     window_groups: dict = {}
     # every torch.distributed collective of the run, whoever issues it; `with state:` ends the run synced
-    with counter, (state if isinstance(state, AlgorithmState) else contextlib.nullcontext()):
+    if args.hook in PEERS:
+        state.counter = counter  # torchft's allreduces count as every method's collectives do
+    with counter, (state if isinstance(state, AlgorithmState) or args.hook in PEERS else contextlib.nullcontext()):
         for step in range(first_step, last):
             if step == window_from:
                 window_start = time.perf_counter()
@@ -475,7 +493,8 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
         "resumed_from": first_step,
         "params_checksum": float(sum(_whole(p).detach().double().sum() for p in model.parameters())),
         "params_sha256": params_sha256(model),  # equal only for bit-identical parameters
-        "syncs": state.syncs if isinstance(state, AlgorithmState) else (None if args.hook in ANCHORS else last),
+        "syncs": state.syncs if isinstance(state, AlgorithmState) or args.hook in PEERS else (
+            None if args.hook in ANCHORS else last),
         "wall_s": round(wall, 2),
         "config": cfg.to_dict(conf),
         # the whole method: the hook and its arguments as well as the config (DDP, compute-only and PowerSGD all
@@ -486,6 +505,10 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
     }
     if isinstance(state, AlgorithmState):
         summary["report"] = state.report()
+    if args.hook in PEERS:  # which torchft ran (the peer's own code)
+        from importlib.metadata import version
+
+        summary["peer_version"] = f"torchft {version('torchft')}"
     if args.backend == "torchft":  # what the live groups did: heals into this process, collectives retried
         summary.update(heals=args.live.heals, retries=args.live.retries, joined_at=first_step)
     if rank == 0:
@@ -501,7 +524,9 @@ def train_once(args: argparse.Namespace, rank: int, world: int, mean_over_ranks,
 
 def method_spec(args, conf) -> dict:
     """What makes a method: its hook, the hook's own arguments, and its commhooks config."""
-    own = {"powersgd": ("powersgd_rank", "anchor_start"), "local-sgd": ("local_sgd_period", "anchor_start")}
+    own = {"powersgd": ("powersgd_rank", "anchor_start"), "local-sgd": ("local_sgd_period", "anchor_start"),
+           "torchft-localsgd": ("peer_sync_every",),
+           "torchft-diloco": ("peer_sync_every", "peer_fragments", "peer_delay", "peer_alpha")}
     return {"hook": args.hook, **{k: getattr(args, k) for k in own.get(args.hook, ())}, "config": cfg.to_dict(conf)}
 
 
