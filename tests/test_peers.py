@@ -58,3 +58,17 @@ def test_a_peer_in_network_namespaces_is_refused_with_the_reason():
                            "--steps", "2", "--no-progress"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0 and "loopback only" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+
+
+def test_fragments_cover_the_model_once():
+    """Streaming DiLoCo's fragments: every parameter in exactly one, a block list split block by block."""
+    sys.path.insert(0, str(REPO / "hooks"))
+    from commhooks.tools.models import build_model
+    from commhooks.tools.peers import fragments_of
+
+    for name in ("gpt", "cnn"):
+        model = build_model(name)
+        fragments = fragments_of(model, 2)
+        held = [id(p) for f in fragments for p in f.parameters()]
+        assert len(fragments) == 2 and sorted(held) == sorted(id(p) for p in model.parameters()), name
+        assert all(sum(p.numel() for p in f.parameters()) > 0 for f in fragments), name

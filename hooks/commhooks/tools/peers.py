@@ -102,9 +102,13 @@ class PeerRun:
 
 
 def fragments_of(model: nn.Module, count: int) -> List[nn.Module]:
-    """The model's top-level children in ``count`` contiguous groups of about equal parameter count (torchft syncs
-    a fragment's parameters together); the groups share the model's parameters, nothing is copied."""
-    children = [c for c in model.children() if any(True for _ in c.parameters())]
+    """The model's top-level children (a block list's blocks one by one) in ``count`` contiguous groups of about
+    equal parameter count (torchft syncs a fragment's parameters together); the groups share the model's
+    parameters, nothing is copied."""
+    children = []
+    for child in model.children():  # a block list counts block by block, so that fragments can split it
+        children += list(child.children()) if isinstance(child, (nn.ModuleList, nn.Sequential)) else [child]
+    children = [c for c in children if any(True for _ in c.parameters())]
     own = [p for p in model.parameters(recurse=False)]
     if count == 1 or len(children) < count:
         return [model]
