@@ -42,8 +42,6 @@ class PeerRun:
         from torchft.coordination import LighthouseServer
         from torchft.local_sgd import DiLoCo, LocalSGD
 
-        from ..launch import fresh_store
-
         if kind not in PEERS:
             raise ValueError(f"unknown peer {kind!r}; choose from {', '.join(PEERS)}")
         if os.environ.get("COMMHOOKS_WIRE_IFACE"):
@@ -53,7 +51,10 @@ class PeerRun:
         self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=world) if rank == 0 else None
         address = [self.lighthouse.address() if self.lighthouse is not None else None]
         dist.broadcast_object_list(address, src=0)
-        self.store, host, port = fresh_store()  # this replica's own store, alive as long as the run
+        # this replica's own store (a replica of one rank: the job's shared one would let the replicas' Managers
+        # overwrite each other's address), alive as long as the run
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        host, port = "127.0.0.1", self.store.port
         timeout = timedelta(seconds=timeout_s)
         self.counter = None  # the trainer's payload counter (set before the loop)
         self.syncs = 0
