@@ -364,7 +364,7 @@ def draw_quality(data: dict, path: Path, heading: str, sub: str, ours: Collectio
     def layout(key: Optional[str]) -> None:
         """The legend below the axes, its title the note on the bars (and the key, numbering the points)."""
         title = data["note"] if key is None else data["note"] + "\n" + key
-        legend = ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(handles),
+        legend = ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=max(1, len(handles)),
                            fontsize=8.5, frameon=False, handlelength=2.2, title=title, title_fontsize=8.5)
         legend.get_title().set_color("0.25")
         fig.tight_layout()
