@@ -585,6 +585,8 @@ def add_ratios(results: dict, target: Optional[float] = None) -> None:
         over_floor = floor is not None and floor is not m  # a baseline against itself: None (the table's "-")
         under_ddp = ddp is not None and ddp is not m
         m["ratios"] = {}
+        floor_name = floor_of(m.get("config"))
+        own_floor = methods.get(floor_name) if floor_name else None
         for bw, own in m["step_ms_paces"].items():
             if not over_floor:
                 vs_floor = None
@@ -601,10 +603,9 @@ def add_ratios(results: dict, target: Optional[float] = None) -> None:
             else:
                 over_ddp = timing.paired_ratio(ddp["step_ms_paces"][bw], own)
             m["ratios"][bw] = {"vs compute-only": vs_floor, "ddp over this": over_ddp}
-            own_floor = methods.get(floor_of(m.get("config")) or "")
             if own_floor is not None and bw in own_floor["step_ms_paces"]:  # repeat k over the floor's repeat k
                 m["ratios"][bw]["vs its floor"] = {**timing.paired_ratio(own, own_floor["step_ms_paces"][bw]),
-                                                   "floor": floor_of(m.get("config"))}
+                                                   "floor": floor_name}
 
 
 def cpu_clock() -> dict:

@@ -63,16 +63,11 @@ class PayloadCounter:
             t = kwargs.get("tensor", args[0] if args else None)
         size = (sum(x.numel() * x.element_size() for x in t) if isinstance(t, (list, tuple))
                 else t.numel() * t.element_size() if t is not None else 0)
-        ranks = tuple(range(dist.get_world_size())) if group is None else tuple(dist.get_process_group_ranks(group))
-        self.bytes += size
-        self.calls += 1
-        self.by_group[ranks] = self.by_group.get(ranks, 0) + size
-        if self.log is not None:
-            self.log.append((ranks, size))
+        self.add(size, None if group is None else tuple(dist.get_process_group_ranks(group)))
 
     def add(self, size: int, ranks: Optional[tuple] = None) -> None:
-        """Count a collective made outside torch.distributed's functions (torchft's Manager: tools/peers.py):
-        ``size`` bytes handed over, in the group of ``ranks`` (default: the world)."""
+        """Count a collective: ``size`` bytes handed over in the group of ``ranks`` (default: the world); what the
+        wrapped functions call, and what one made outside them calls (torchft's Manager: tools/peers.py)."""
         ranks = tuple(range(dist.get_world_size())) if ranks is None else ranks
         self.bytes += size
         self.calls += 1

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -129,8 +129,3 @@ def fragments_of(model: nn.Module, count: int) -> List[nn.Module]:
         fragments[0].append(holder)
     return fragments
 
-
-def sync_every_argument(value: Optional[int], kind: str) -> int:
-    if value is None or value < 1:
-        raise ValueError(f"--hook {kind} needs --peer-sync-every N (N >= 1): torchft's sync_every")
-    return value

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 
 def _quality(x: Optional[float], metric: str) -> str:
@@ -98,6 +98,23 @@ def ab_trade(results: dict, run_dir: str, methods: Sequence[str], baseline: str 
     return rows
 
 
+def _held_out(results: dict) -> Tuple[List[str], set]:
+    """A protocol run's held-out seeds (every seed where it names no search seeds) and its search seeds."""
+    seeds = [str(s) for s in results["setup"]["seeds"]]
+    search = {str(s) for s in results["setup"].get("search_seeds") or []}
+    return [s for s in seeds if s not in search] or seeds, search
+
+
+def _vs_baseline(m: dict, base: dict, held: Sequence[str]) -> str:
+    """``m``'s quality against ``base``'s seed by seed on ``held``: the mean and the seeds' range, a loss
+    relative in %, an accuracy in points (``+1.2 % (-0.8 to +2.5)``)."""
+    if m.get("val_loss") is not None:
+        diff, unit = [100 * (m["quality_by_seed"][s] / base["quality_by_seed"][s] - 1) for s in held], " %"
+    else:
+        diff, unit = [100 * (m["quality_by_seed"][s] - base["quality_by_seed"][s]) for s in held], " points"
+    return f"{sum(diff) / len(diff):+.1f}{unit} ({min(diff):+.1f} to {max(diff):+.1f})"
+
+
 def choice_rows(results: dict, choices: Sequence[Dict[str, str]], runs_dir: Optional[str] = None,
                 baseline: str = "ddp", floor: str = "compute-only") -> List[str]:
     """The choosing guide's decision table from a ``commhooks bench`` run under the protocol, one row per choice
@@ -110,9 +127,7 @@ def choice_rows(results: dict, choices: Sequence[Dict[str, str]], runs_dir: Opti
     from . import timing
     from .bench import compared_bytes
 
-    seeds = [str(s) for s in results["setup"]["seeds"]]
-    search = {str(s) for s in results["setup"].get("search_seeds") or []}
-    held = [s for s in seeds if s not in search] or seeds
+    held, _ = _held_out(results)
     base = results["methods"][baseline]
     base_sent = compared_bytes(results, base)
     bw = results["setup"]["bandwidths"][-1]
@@ -125,16 +140,9 @@ def choice_rows(results: dict, choices: Sequence[Dict[str, str]], runs_dir: Opti
         if rank0 is not None and rank0.is_file():
             kept = (json.loads(rank0.read_text()).get("report") or {}).get("memory_vs_weights")
             memory = "-" if kept is None else f"{kept:.2f}x the weights"
-        if name == baseline:
-            quality = "-"
-        elif m.get("val_loss") is not None:
-            diff = [100 * (m["quality_by_seed"][s] / base["quality_by_seed"][s] - 1) for s in held]
-            quality = f"loss {sum(diff) / len(diff):+.1f} % ({min(diff):+.1f} to {max(diff):+.1f})"
-        else:
-            diff = [100 * (m["quality_by_seed"][s] - base["quality_by_seed"][s]) for s in held]
-            quality = f"accuracy {sum(diff) / len(diff):+.1f} points ({min(diff):+.1f} to {max(diff):+.1f})"
-        sent = compared_bytes(results, m)
-        share = "-" if name == baseline or sent is None or not base_sent else f"{100 * sent / base_sent:.2f} %"
+        quality = "-" if name == baseline else (
+            ("loss " if m.get("val_loss") is not None else "accuracy ") + _vs_baseline(m, base, held))
+        share = _sent_cells(compared_bytes(results, m), base_sent, name == baseline, share_digits=2)[1]
         paired = m.get("ratios", {}).get(bw) or {}
         time = "-" if name == floor else timing.describe(paired.get("vs compute-only"))
         rows.append("| " + " | ".join([choice["situation"], choice["start"], memory, quality, share, time]) + " |")
@@ -157,9 +165,7 @@ def headline_rows(results: dict, methods: Sequence[str], labels: Optional[Dict[s
     from .bench import compared_bytes
 
     labels = labels or {}
-    seeds = [str(s) for s in results["setup"]["seeds"]]
-    search = {str(s) for s in results["setup"].get("search_seeds") or []}
-    held = [s for s in seeds if s not in search] or seeds
+    held, search = _held_out(results)
     base = results["methods"][baseline]
     base_sent = compared_bytes(results, base)
     bw = results["setup"]["bandwidths"][-1]
@@ -170,14 +176,7 @@ def headline_rows(results: dict, methods: Sequence[str], labels: Optional[Dict[s
         quality = [m["quality_by_seed"][s] for s in held]
         cells = [labels.get(name, name), _quality(sum(quality) / len(quality), metric),
                  f"({_quality(m['quality_search_mean'], metric)})" if search else "-"]
-        if name == baseline:
-            cells.append("-")
-        else:
-            if metric == "val_loss":  # a loss: relative, in %; an accuracy: in points
-                diff, unit = [100 * (m["quality_by_seed"][s] / base["quality_by_seed"][s] - 1) for s in held], " %"
-            else:
-                diff, unit = [100 * (m["quality_by_seed"][s] - base["quality_by_seed"][s]) for s in held], " points"
-            cells.append(f"{sum(diff) / len(diff):+.1f}{unit} ({min(diff):+.1f} to {max(diff):+.1f})")
+        cells.append("-" if name == baseline else _vs_baseline(m, base, held))
         cells += [str(m["syncs"]) if m.get("syncs") is not None else "-",
                   *_sent_cells(compared_bytes(results, m), base_sent, name == baseline, share_digits=2)]
         if window_columns:  # the steps the times cover, and what the method sent in those same steps
